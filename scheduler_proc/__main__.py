@@ -1,0 +1,43 @@
+"""The scheduler process: `python -m scheduler_proc --config JSON` (started by launch.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import zmq
+
+from common.ipc import PullSocket, PushSocket
+from common.messages import ReadyMsg, ToSchedulerMsg
+from common.proc import child_main_setup
+from scheduler_proc.model_client import ZmqModelClient
+from scheduler_proc.scheduler import Scheduler
+
+logger = logging.getLogger("scheduler")
+
+IDLE_POLL_MS = 1000  # how long an idle loop blocks on its input before looking again
+
+
+def main() -> None:
+    cfg = child_main_setup("scheduler")
+    assert cfg.model_info is not None, "the scheduler needs the model process's ModelInfo"
+    ctx = zmq.Context()
+    requests: PullSocket[ToSchedulerMsg] = PullSocket(ctx, cfg.ipc.scheduler_input, ToSchedulerMsg)
+    to_tokenizer = PushSocket(ctx, cfg.ipc.tokenizer_input)
+    scheduler = Scheduler(cfg.server_args, cfg.model_info, ZmqModelClient(ctx, cfg.ipc),
+                          to_tokenizer.send)
+
+    def recv_requests(block: bool) -> list[ToSchedulerMsg]:
+        if block:
+            first = requests.recv(timeout_ms=IDLE_POLL_MS)
+            return ([first] if first is not None else []) + requests.recv_nowait()
+        return requests.recv_nowait()
+
+    PushSocket(ctx, cfg.ipc.launcher).send(ReadyMsg(proc="scheduler", pid=os.getpid()))
+    logger.info("scheduler ready: max_running_requests=%d, max_total_tokens=%d",
+                cfg.server_args.max_running_requests, cfg.model_info.max_total_tokens)
+    scheduler.event_loop(recv_requests)
+
+
+if __name__ == "__main__":
+    main()

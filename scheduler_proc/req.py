@@ -1,0 +1,67 @@
+"""A request as the scheduler tracks it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.messages import SamplingParams, TokenizedGenerateReq
+
+
+@dataclass(slots=True, eq=False)  # identity, not field-wise, equality
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    stop_token_ids: frozenset[int]  # eos (unless ignore_eos) plus the caller's stop ids
+    stream: bool = False
+    arrival_time: float = field(default_factory=time.time)
+
+    output_ids: list[int] = field(default_factory=list)
+    req_pool_idx: int = 0  # row of req_to_token while resident, 0 when not
+    kv_len: int = 0  # tokens of fill_ids whose KV sits in the pool
+    finished_reason: dict[str, Any] | None = None
+    num_retractions: int = 0
+    sent_len: int = 0  # output tokens already sent to the tokenizer process
+    finish_sent: bool = False  # the final message went out
+
+    @classmethod
+    def from_message(cls, msg: TokenizedGenerateReq, eos_token_ids: list[int]) -> "Req":
+        sp = msg.sampling_params
+        stop = set(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            stop.update(eos_token_ids)
+        return cls(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=sp,
+                   stop_token_ids=frozenset(stop), stream=msg.stream,
+                   arrival_time=msg.arrival_time or time.time())
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Everything the model must have seen to produce the next token."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.sampling_params.max_new_tokens - len(self.output_ids))
+
+    def check_finished(self, context_len: int) -> None:
+        """Set finished_reason after a token was appended to output_ids."""
+        last = self.output_ids[-1]
+        if last in self.stop_token_ids:
+            self.finished_reason = {"type": "stop", "matched": last}
+        elif len(self.output_ids) >= self.sampling_params.max_new_tokens:
+            self.finished_reason = {"type": "length", "length": len(self.output_ids)}
+        elif self.seq_len >= context_len:
+            self.finished_reason = {"type": "length", "length": len(self.output_ids)}
+
+    def abort(self, message: str) -> None:
+        self.finished_reason = {"type": "abort", "message": message}

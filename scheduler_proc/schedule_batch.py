@@ -1,0 +1,138 @@
+"""ScheduleBatch: the rows the next forward runs on.
+
+The running batch changes only through `filter_batch` (gather the live rows)
+and `merge_batch` (concatenate a just-prefilled batch). Per-row state lives in
+tensors indexed by row, so both are one gather or one concatenation per field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.messages import ForwardBatch
+from scheduler_proc.memory import ReqToTokenPool, TokenSlotAllocator
+from scheduler_proc.req import Req
+
+# Per-row tensors that filter_batch gathers and merge_batch concatenates.
+ROW_FIELDS = ("req_pool_indices", "seq_lens", "temperatures", "top_ps", "top_ks", "min_ps", "seeds")
+
+
+class OutOfKVSlots(RuntimeError):
+    pass
+
+
+@dataclass
+class ScheduleBatch:
+    reqs: list[Req]
+    forward_mode: str = "decode"  # "extend" or "decode"
+    # one entry per row
+    req_pool_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    seq_lens: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    temperatures: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    top_ps: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    top_ks: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    min_ps: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    seeds: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    # this step only
+    prefix_lens: list[int] = field(default_factory=list)
+    input_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    out_cache_loc: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+
+    @classmethod
+    def init_new(cls, reqs: list[Req]) -> "ScheduleBatch":
+        sps = [r.sampling_params for r in reqs]
+        return cls(
+            reqs=list(reqs),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
+            seq_lens=torch.tensor([r.kv_len for r in reqs], dtype=torch.int64),
+            temperatures=torch.tensor([sp.temperature for sp in sps], dtype=torch.float32),
+            top_ps=torch.tensor([sp.top_p for sp in sps], dtype=torch.float32),
+            top_ks=torch.tensor([sp.top_k for sp in sps], dtype=torch.int64),
+            min_ps=torch.tensor([sp.min_p for sp in sps], dtype=torch.float32),
+            seeds=torch.tensor([-1 if sp.seed is None else sp.seed for sp in sps], dtype=torch.int64),
+        )
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    # ---- the two ways a batch changes ------------------------------------------------
+
+    def filter_batch(self, keep_indices: list[int] | None = None) -> None:
+        """Keep only the given rows (default: the unfinished ones), in that order."""
+        if keep_indices is None:
+            keep_indices = [i for i, r in enumerate(self.reqs) if not r.finished]
+        if len(keep_indices) == len(self.reqs):
+            return
+        self.reqs = [self.reqs[i] for i in keep_indices]
+        idx = torch.tensor(keep_indices, dtype=torch.int64)
+        for name in ROW_FIELDS:
+            setattr(self, name, getattr(self, name).index_select(0, idx))
+
+    def merge_batch(self, other: "ScheduleBatch") -> None:
+        """Append the rows of `other` (a batch that has just been prefilled)."""
+        self.reqs.extend(other.reqs)
+        for name in ROW_FIELDS:
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+
+    # ---- preparing one step ----------------------------------------------------------
+
+    def prepare_for_extend(self, req_to_token_pool: ReqToTokenPool,
+                           allocator: TokenSlotAllocator) -> None:
+        """Give every row its table row (if new) and slots for its uncached tokens."""
+        self.forward_mode = "extend"
+        for r in self.reqs:
+            if r.req_pool_idx == 0:
+                row = req_to_token_pool.alloc()
+                if row is None:
+                    raise OutOfKVSlots("no free req_to_token row")
+                r.req_pool_idx = row
+        fills = [r.fill_ids for r in self.reqs]
+        self.prefix_lens = [r.kv_len for r in self.reqs]
+        extend_lens = [len(f) - p for f, p in zip(fills, self.prefix_lens)]
+        locs = allocator.alloc(sum(extend_lens))
+        if locs is None:
+            raise OutOfKVSlots(f"cannot allocate {sum(extend_lens)} KV slots")
+        self.out_cache_loc = locs
+        self.input_ids = torch.tensor(
+            [t for f, p in zip(fills, self.prefix_lens) for t in f[p:]], dtype=torch.int64)
+        table = req_to_token_pool.req_to_token
+        start = 0
+        for r, p, n in zip(self.reqs, self.prefix_lens, extend_lens):
+            table[r.req_pool_idx, p:p + n] = locs[start:start + n].to(torch.int32)
+            start += n
+        self.req_pool_indices = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
+        self.seq_lens = torch.tensor([len(f) for f in fills], dtype=torch.int64)
+
+    def prepare_for_decode(self, req_to_token_pool: ReqToTokenPool,
+                           allocator: TokenSlotAllocator) -> None:
+        """One new token per row: the row's last sampled token, at position seq_len."""
+        self.forward_mode = "decode"
+        self.prefix_lens = []
+        locs = allocator.alloc(len(self.reqs))
+        if locs is None:
+            raise OutOfKVSlots(f"cannot allocate {len(self.reqs)} KV slots for decode")
+        self.out_cache_loc = locs
+        self.input_ids = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64)
+        req_to_token_pool.req_to_token[self.req_pool_indices, self.seq_lens] = locs.to(torch.int32)
+        self.seq_lens = self.seq_lens + 1
+
+    def to_forward_batch(self) -> ForwardBatch:
+        return ForwardBatch(
+            forward_mode=self.forward_mode,
+            req_pool_indices=self.req_pool_indices.tolist(),
+            seq_lens=self.seq_lens.tolist(),
+            prefix_lens=self.prefix_lens,
+            input_ids=self.input_ids.tolist(),
+            out_cache_loc=self.out_cache_loc.tolist(),
+            temperatures=self.temperatures.tolist(),
+            top_ps=self.top_ps.tolist(),
+            top_ks=self.top_ks.tolist(),
+            min_ps=self.min_ps.tolist(),
+            seeds=self.seeds.tolist(),
+            sample_steps=[len(r.output_ids) for r in self.reqs],
+        )

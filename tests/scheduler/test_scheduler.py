@@ -1,0 +1,190 @@
+"""The scheduler loop driven by a fake model (isolates the scheduler)."""
+
+from common.messages import AbortReq, BatchTokenOut, SamplingParams, TokenizedGenerateReq
+from common.server_args import ServerArgs
+from scheduler_proc.scheduler import Scheduler
+from tests.scheduler.fake_model import EOS, FakeModel, fake_model_info, next_token
+
+
+class Harness:
+    def __init__(self, max_running: int = 4, max_total_tokens: int = 4096,
+                 max_prefill_tokens: int = 16384, context_len: int = 512) -> None:
+        args = ServerArgs(model_path="fake", max_running_requests=max_running,
+                          max_prefill_tokens=max_prefill_tokens)
+        self.model = FakeModel()
+        self.outputs: list[BatchTokenOut] = []
+        self.sched = Scheduler(args, fake_model_info(max_total_tokens, context_len), self.model,
+                               self.outputs.append)
+
+    def submit(self, rid: str, n_prompt: int, max_new: int, stream: bool = False,
+               stop_ids: list[int] | None = None) -> None:
+        sp = SamplingParams(max_new_tokens=max_new, temperature=0.0, stop_token_ids=stop_ids or [])
+        self.sched.process_input_requests([TokenizedGenerateReq(
+            rid=rid, input_ids=[(i * 13 + len(rid)) % 900 + 10 for i in range(n_prompt)],
+            sampling_params=sp, stream=stream)])
+
+    def run_until_idle(self, max_steps: int = 1000) -> None:
+        for _ in range(max_steps):
+            if self.sched.step() is None and self.sched.is_idle():
+                return
+        raise AssertionError("scheduler did not go idle")
+
+    def finals(self) -> dict:
+        out = {}
+        for msg in self.outputs:
+            for i, rid in enumerate(msg.rids):
+                if msg.finished_reasons[i] is not None:
+                    assert rid not in out, f"{rid} finished twice"
+                    out[rid] = (msg.finished_reasons[i], msg.completion_tokens[i])
+        return out
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for m in self.outputs for r, ts in zip(m.rids, m.new_token_ids) if r == rid
+                for t in ts]
+
+    def assert_no_leak(self) -> None:
+        s = self.sched
+        assert s.allocator.available() == s.allocator.size
+        assert s.req_to_token_pool.available() == s.req_to_token_pool.num_rows
+        assert not s.reqs_by_rid
+
+
+def expected_tokens(prompt_last: int, n: int) -> list[int]:
+    out, last = [], prompt_last
+    for _ in range(n):
+        last = next_token(last)
+        out.append(last)
+    return out
+
+
+def test_every_request_gets_exactly_its_tokens_and_a_length_finish():
+    h = Harness()
+    for i in range(6):
+        h.submit(f"r{i}", n_prompt=3 + i, max_new=2 + i)
+    h.run_until_idle()
+    finals = h.finals()
+    assert set(finals) == {f"r{i}" for i in range(6)}
+    for i in range(6):
+        reason, n = finals[f"r{i}"]
+        assert reason == {"type": "length", "length": 2 + i} and n == 2 + i
+        assert len(h.tokens(f"r{i}")) == 2 + i
+    h.assert_no_leak()
+
+
+def test_running_batch_never_exceeds_max_running_requests():
+    h = Harness(max_running=3)
+    for i in range(8):
+        h.submit(f"r{i}", n_prompt=4, max_new=5)
+    sizes = []
+    for _ in range(200):
+        batch = h.sched.step()
+        if batch is None:
+            break
+        running = len(h.sched.running_batch) if h.sched.running_batch else 0
+        if batch.forward_mode == "extend":
+            running += len(batch)
+        sizes.append(running)
+    assert max(sizes) <= 3
+    assert len(h.finals()) == 8
+    h.assert_no_leak()
+
+
+def test_rows_join_and_leave_the_running_batch_mid_flight():
+    h = Harness(max_running=4)
+    h.submit("long", n_prompt=4, max_new=20)
+    for _ in range(3):
+        h.sched.step()
+    h.submit("short", n_prompt=6, max_new=3)
+    batch = h.sched.step()
+    assert batch.forward_mode == "extend" and [r.rid for r in batch.reqs] == ["short"]
+    batch = h.sched.step()  # the prefilled row joined the running decode batch
+    assert batch.forward_mode == "decode" and [r.rid for r in batch.reqs] == ["long", "short"]
+    h.sched.step()
+    assert "short" in h.finals()  # finished: 1 token at prefill + 2 decode steps
+    batch = h.sched.step()
+    assert [r.rid for r in batch.reqs] == ["long"]  # the finished row left at once
+    h.run_until_idle()
+    assert h.finals()["long"][1] == 20
+    h.assert_no_leak()
+
+
+def test_stop_token_finishes_with_matched_id():
+    h = Harness()
+    h.submit("a", n_prompt=3, max_new=50)
+    prompt_last = h.sched.waiting_queue[0].origin_input_ids[-1]
+    third = expected_tokens(prompt_last, 3)[-1]
+    h.sched.waiting_queue[0].stop_token_ids = frozenset({EOS, third})
+    h.run_until_idle()
+    assert h.finals()["a"] == ({"type": "stop", "matched": third}, 3)
+    h.assert_no_leak()
+
+
+def test_streaming_request_gets_tokens_every_step_and_non_streaming_once():
+    h = Harness()
+    h.submit("s", n_prompt=3, max_new=5, stream=True)
+    h.submit("n", n_prompt=3, max_new=5, stream=False)
+    h.run_until_idle()
+    s_msgs = [m for m in h.outputs if "s" in m.rids]
+    n_msgs = [m for m in h.outputs if "n" in m.rids]
+    assert len(s_msgs) == 5 and len(n_msgs) == 1
+    assert h.tokens("s") == h.tokens("n") or len(h.tokens("s")) == 5
+
+
+def test_abort_of_running_request_frees_its_kv_at_once():
+    h = Harness()
+    h.submit("a", n_prompt=10, max_new=100)
+    h.submit("b", n_prompt=10, max_new=5)
+    h.sched.step()  # prefill both
+    h.sched.step()  # decode
+    used_before = h.sched.allocator.size - h.sched.allocator.available()
+    h.sched.process_input_requests([AbortReq(rid="a")])
+    used_after = h.sched.allocator.size - h.sched.allocator.available()
+    assert used_before - used_after == 11  # a's 10 prompt tokens and 1 decoded token
+    assert h.finals()["a"][0]["type"] == "abort"
+    h.run_until_idle()
+    assert h.finals()["b"][0]["type"] == "length"
+    assert all(len(b.req_pool_indices) == 1 for b in h.model.batches[2:])
+    h.assert_no_leak()
+
+
+def test_abort_of_waiting_request_removes_it_from_the_queue():
+    h = Harness(max_running=1)
+    h.submit("a", n_prompt=3, max_new=5)
+    h.submit("b", n_prompt=3, max_new=5)
+    h.sched.step()
+    h.sched.process_input_requests([AbortReq(rid="b")])
+    assert not h.sched.waiting_queue
+    h.run_until_idle()
+    assert h.finals()["b"][0]["type"] == "abort" and h.finals()["b"][1] == 0
+    h.assert_no_leak()
+
+
+def test_request_that_can_never_fit_in_the_pool_gets_an_error_not_a_hang():
+    h = Harness(max_total_tokens=64)
+    h.submit("big", n_prompt=60, max_new=10)
+    h.submit("ok", n_prompt=10, max_new=5)
+    h.run_until_idle()
+    reason, _ = h.finals()["big"]
+    assert reason["type"] == "abort" and "KV pool" in reason["message"]
+    assert h.finals()["ok"][0]["type"] == "length"
+    h.assert_no_leak()
+
+
+def test_admission_waits_for_kv_instead_of_overcommitting():
+    h = Harness(max_running=8, max_total_tokens=64)
+    for i in range(4):  # each needs 10 + 20 = 30 slots: only two fit at once
+        h.submit(f"r{i}", n_prompt=10, max_new=20)
+    h.run_until_idle()
+    assert max(len(b.req_pool_indices) for b in h.model.batches) == 2
+    assert all(f[0]["type"] == "length" for f in h.finals().values())
+    h.assert_no_leak()
+
+
+def test_duplicate_rid_in_flight_is_rejected():
+    h = Harness()
+    h.submit("a", n_prompt=3, max_new=5)
+    h.submit("a", n_prompt=3, max_new=5)
+    first = h.outputs[0]
+    assert first.finished_reasons[0]["type"] == "abort"
+    h.run_until_idle()
+    h.assert_no_leak()
