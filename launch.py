@@ -69,6 +69,7 @@ class Launcher:
         return got
 
     def run(self) -> int:
+        logger.info("ZMQ ipc sockets in %s", self.ipc_dir)
         self.spawn("model", "model_proc", None)
         model_info = self.wait_ready({"model"})["model"].model_info
         assert model_info is not None

@@ -33,7 +33,9 @@ def main() -> None:
             return ([first] if first is not None else []) + requests.recv_nowait()
         return requests.recv_nowait()
 
-    PushSocket(ctx, cfg.ipc.launcher).send(ReadyMsg(proc="scheduler", pid=os.getpid()))
+    # kept open: a socket closed at once (LINGER 0) may drop its unsent message
+    to_launcher = PushSocket(ctx, cfg.ipc.launcher)
+    to_launcher.send(ReadyMsg(proc="scheduler", pid=os.getpid()))
     logger.info("scheduler ready: max_running_requests=%d, max_total_tokens=%d",
                 cfg.server_args.max_running_requests, cfg.model_info.max_total_tokens)
     scheduler.event_loop(recv_requests)

@@ -1,0 +1,94 @@
+"""KV storage on the model side: the per-layer K/V slot buffers and the
+`req_to_token` table that maps (request row, position) to a slot.
+
+The scheduler owns which slots and rows are free; this module only stores.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_FRACTION = 0.25  # of MemAvailable, when --max-total-tokens is not given
+
+
+class KVPool:
+    """Per layer `k_buffer[l]`, `v_buffer[l]`: `[size + 1, num_kv_heads, head_dim]`.
+
+    Slot 0 is the dummy target for padded tokens, so real slots are 1..size.
+    """
+
+    def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str | torch.device) -> None:
+        self.size = size
+        self.num_layers = num_layers
+        shape = (size + 1, num_kv_heads, head_dim)
+        # empty, not zeros: on CPU untouched pages stay uncommitted until a
+        # slot is written. Only the dummy slot can be read before it is
+        # written (padded decode entries), so only it is zeroed: garbage
+        # there could be NaN, and 0 * NaN survives the attention mask.
+        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for buf in self.k_buffer + self.v_buffer:
+            buf[0].zero_()
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * elem
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
+
+    def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the new tokens' K/V ([T, kv_heads, head_dim]) into their slots."""
+        self.k_buffer[layer_id].index_copy_(0, loc, k)
+        self.v_buffer[layer_id].index_copy_(0, loc, v)
+
+
+class ReqToTokenTable:
+    """`table[row, pos]` = KV slot of token `pos` of the request in `row`.
+
+    Shape `[max_running_requests + 1, context_len]`, int32; row 0 is unused.
+    """
+
+    def __init__(self, num_rows: int, context_len: int, device: str | torch.device) -> None:
+        self.table = torch.zeros((num_rows + 1, context_len), dtype=torch.int32, device=device)
+
+    @property
+    def context_len(self) -> int:
+        return self.table.shape[1]
+
+
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what the kernel can give without swapping)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+
+
+def kv_budget_bytes(device: str) -> int:
+    if torch.device(device).type == "cuda":
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free * 0.8)  # after the weights are loaded; leave room for activations
+    return int(mem_available_bytes() * CPU_KV_FRACTION)
+
+
+def kv_pool_size(server_args: ServerArgs, context_len: int, bytes_per_token: int) -> int:
+    """Tokens the pool holds: the flag if given, else what the budget affords,
+    never more than every running request at full context could use."""
+    if server_args.max_total_tokens is not None:
+        return server_args.max_total_tokens
+    ceiling = server_args.max_running_requests * context_len
+    afford = kv_budget_bytes(server_args.device) // bytes_per_token
+    if afford < 1:
+        raise RuntimeError("no memory left for the KV cache; pass --max-total-tokens")
+    return max(1, min(ceiling, afford))

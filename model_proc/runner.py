@@ -1,0 +1,161 @@
+"""ModelRunner: turns one ForwardBatch into one sampled token per row.
+
+It owns everything stateful in the model process: weights, KV pool, the
+`req_to_token` table, the attention backend and the sampler.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import torch
+
+from common.messages import ForwardBatch, ForwardResult, ModelInfo
+from common.server_args import ServerArgs
+from model_proc.attention import create_attention_backend
+from model_proc.kv_cache import KVPool, ReqToTokenTable, kv_pool_size
+from model_proc.model import LlamaForCausalLM, ModelConfig
+from model_proc.sampler import Sampler, SamplingBatch
+from model_proc.weights import load_state_dict, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs) -> None:
+        sa = self.server_args = server_args
+        self.device = torch.device(sa.device)
+        self.dtype: torch.dtype = getattr(torch, sa.dtype)
+        self.model_path = resolve_model_path(sa.model_path, sa.cache_dir)
+        config = _read_json(os.path.join(self.model_path, "config.json"))
+        cfg = self.model_config = ModelConfig.from_dict(config)
+        self.context_len = sa.context_length or cfg.max_position_embeddings
+        if self.context_len > cfg.max_position_embeddings:
+            logger.warning("context length %d exceeds the model's max_position_embeddings %d",
+                           self.context_len, cfg.max_position_embeddings)
+
+        state = load_state_dict(self.model_path)
+        bytes_per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        self.max_total_tokens = kv_pool_size(sa, self.context_len, bytes_per_token)
+        self.kv_pool = KVPool(self.max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                              self.dtype, self.device)
+        self.req_to_token = ReqToTokenTable(sa.max_running_requests, self.context_len, self.device)
+        logger.info("KV cache pool: %d tokens, %.1f MiB (%d bytes per token); req_to_token %s",
+                    self.max_total_tokens, self.kv_pool.nbytes / 2**20, bytes_per_token,
+                    tuple(self.req_to_token.table.shape))
+
+        self.attn_backend = create_attention_backend(
+            sa.attention_backend, self.kv_pool, self.req_to_token, scale=cfg.head_dim ** -0.5)
+        self.model = LlamaForCausalLM(cfg, self.attn_backend, max_positions=self.context_len)
+        self.model.to(device=self.device, dtype=self.dtype)
+        self.model.load_weights(state)
+        del state
+        self.sampler = Sampler(sa.random_seed, self.device)
+        self.model_info = ModelInfo(
+            model_path=self.model_path,
+            tokenizer_path=sa.tokenizer_path or self.model_path,
+            served_model_name=sa.served_model_name or _base_name(sa.model_path),
+            context_len=self.context_len,
+            max_total_tokens=self.max_total_tokens,
+            vocab_size=cfg.vocab_size,
+            eos_token_ids=_eos_token_ids(self.model_path, config),
+            dtype=sa.dtype,
+            device=sa.device,
+            kv_cache_bytes=self.kv_pool.nbytes,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ForwardResult:
+        start = time.perf_counter()
+        logits = self.compute_logits(batch)
+        params = SamplingBatch.from_lists(batch.temperatures, batch.top_ps, batch.top_ks,
+                                          batch.min_ps, batch.seeds, batch.sample_steps, self.device)
+        next_ids = self.sampler(logits, params).tolist()
+        return ForwardResult(next_token_ids=next_ids, forward_time=time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Store the step's slots, run the model: float32 logits [B, vocab] of
+        each row's last token."""
+        self.check_batch(batch)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
+        out_cache_loc = torch.tensor(batch.out_cache_loc, dtype=torch.int64, device=self.device)
+        positions = self._update_req_to_token(batch, out_cache_loc)
+        meta = self.attn_backend.init_forward_metadata(batch, out_cache_loc)
+        return self.model(input_ids, positions, meta)
+
+    def _update_req_to_token(self, batch: ForwardBatch, out_cache_loc: torch.Tensor) -> torch.Tensor:
+        """req_to_token[row, prefix:seq_len] = the new slots; returns the positions."""
+        dev = self.device
+        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=dev)
+        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=dev)
+        if batch.forward_mode == "decode":
+            positions, token_rows = seq_lens - 1, rows
+        else:
+            prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=dev)
+            ext = seq_lens - prefix
+            num_tokens = len(batch.input_ids)
+            row_of = torch.repeat_interleave(torch.arange(len(rows), device=dev), ext, output_size=num_tokens)
+            first = torch.cumsum(ext, 0) - ext  # flat index of each row's first new token
+            positions = torch.arange(num_tokens, device=dev) - (first - prefix)[row_of]
+            token_rows = rows[row_of]
+        self.req_to_token.table[token_rows, positions] = out_cache_loc.to(torch.int32)
+        return positions
+
+    def check_batch(self, b: ForwardBatch) -> None:
+        """O(batch) sanity checks: a malformed batch is a scheduler bug, and
+        failing loudly beats writing KV into the wrong slots."""
+        bs = len(b.req_pool_indices)
+        per_row = (b.seq_lens, b.temperatures, b.top_ps, b.top_ks, b.min_ps, b.seeds, b.sample_steps)
+        if bs == 0 or any(len(x) != bs for x in per_row):
+            raise ValueError(f"ForwardBatch: inconsistent row count {bs} vs {[len(x) for x in per_row]}")
+        if b.forward_mode == "decode":
+            num_new = bs
+        elif b.forward_mode == "extend":
+            if len(b.prefix_lens) != bs or any(not 0 <= p < s for p, s in zip(b.prefix_lens, b.seq_lens)):
+                raise ValueError("ForwardBatch: extend needs 0 <= prefix_len < seq_len per row")
+            num_new = sum(b.seq_lens) - sum(b.prefix_lens)
+        else:
+            raise ValueError(f"ForwardBatch: unknown forward_mode {b.forward_mode!r}")
+        if len(b.input_ids) != num_new or len(b.out_cache_loc) != num_new:
+            raise ValueError(f"ForwardBatch: {num_new} new tokens but {len(b.input_ids)} input_ids, "
+                             f"{len(b.out_cache_loc)} out_cache_loc")
+        if min(b.seq_lens) < 1 or max(b.seq_lens) > self.context_len:
+            raise ValueError(f"ForwardBatch: seq_lens outside 1..{self.context_len}")
+        if min(b.req_pool_indices) < 1 or max(b.req_pool_indices) >= self.req_to_token.table.shape[0]:
+            raise ValueError("ForwardBatch: req_pool_indices outside the table")
+        if min(b.out_cache_loc) < 0 or max(b.out_cache_loc) > self.max_total_tokens:
+            raise ValueError(f"ForwardBatch: out_cache_loc outside 0..{self.max_total_tokens}")
+        if min(b.input_ids) < 0 or max(b.input_ids) >= self.model_config.vocab_size:
+            raise ValueError("ForwardBatch: input_ids outside the vocabulary")
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _base_name(model_path: str) -> str:
+    """SmolLM2-135M-Instruct.Q4_1 for a .gguf file; a folder's name as it is
+    (a dot in `Qwen2.5-0.5B` is not an extension)."""
+    name = os.path.basename(os.path.normpath(model_path))
+    return os.path.splitext(name)[0] if os.path.isfile(model_path) else name
+
+
+def _eos_token_ids(folder: str, config: dict) -> list[int]:
+    """eos_token_id of config.json and generation_config.json (each an int or a
+    list), deduplicated in first-seen order."""
+    found: list[int] = []
+    sources = [config]
+    gen_path = os.path.join(folder, "generation_config.json")
+    if os.path.isfile(gen_path):
+        sources.append(_read_json(gen_path))
+    for src in sources:
+        eos = src.get("eos_token_id")
+        for tok in eos if isinstance(eos, list) else [eos]:
+            if isinstance(tok, int) and tok not in found:
+                found.append(tok)
+    return found

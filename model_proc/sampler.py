@@ -1,0 +1,102 @@
+"""One token per row from last-position logits.
+
+Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is a
+draw from p. It needs no cumulative sums, and a seeded row only has to
+generate its own noise vector from a generator seeded by (seed, step), so its
+draw never depends on which other rows share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_EPS = 1e-6
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters as tensors on the device, built once per step."""
+
+    temperatures: torch.Tensor  # [B] float32
+    top_ps: torch.Tensor  # [B] float32
+    top_ks: torch.Tensor  # [B] int64, <= 0 means off
+    min_ps: torch.Tensor  # [B] float32
+    seeds: list[int]  # -1: unseeded
+    steps: list[int]  # tokens generated so far, per row
+    all_greedy: bool
+    need_sort: bool  # some sampled row uses top-k or top-p
+    need_min_p: bool
+
+    @classmethod
+    def from_lists(cls, temperatures: list[float], top_ps: list[float], top_ks: list[int],
+                   min_ps: list[float], seeds: list[int], steps: list[int],
+                   device: str | torch.device = "cpu") -> "SamplingBatch":
+        sampled = [i for i, t in enumerate(temperatures) if t >= GREEDY_EPS]
+        return cls(
+            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
+            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
+            seeds=list(seeds), steps=list(steps),
+            all_greedy=not sampled,
+            need_sort=any(top_ks[i] > 0 or top_ps[i] < 1.0 for i in sampled),
+            need_min_p=any(min_ps[i] > 0.0 for i in sampled),
+        )
+
+
+def mix_seed(seed: int, step: int) -> int:
+    """A 63-bit generator seed from (seed, step) (splitmix64 finaliser), so that
+    nearby seeds and steps give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + step + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+class Sampler:
+    def __init__(self, random_seed: int, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        # unseeded rows share this stream: reproducible per server run only
+        self.generator = torch.Generator(self.device).manual_seed(random_seed)
+
+    def __call__(self, logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
+        """logits [B, V] float32 -> token ids [B] int64."""
+        greedy_ids = logits.argmax(dim=-1)
+        if params.all_greedy:
+            return greedy_ids
+        greedy = params.temperatures < GREEDY_EPS
+        temps = torch.where(greedy, 1.0, params.temperatures)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        if params.need_sort:
+            probs = self._top_k_top_p(probs, params.top_ks, params.top_ps)
+        if params.need_min_p:
+            floor = params.min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        noise = self._exponential_noise(probs.shape, params)
+        sampled_ids = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, greedy_ids, sampled_ids)
+
+    @staticmethod
+    def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+        k = torch.where(top_ks > 0, top_ks, probs.shape[-1])
+        # a token is cut when the mass strictly before it already reaches top_p;
+        # the most likely token therefore always survives
+        before = sorted_p.cumsum(dim=-1) - sorted_p
+        # (top_p == 1 is off: rounding in the cumsum must not cut the tail)
+        cut = (rank >= k[:, None]) | ((before >= top_ps[:, None]) & (top_ps[:, None] < 1.0))
+        sorted_p = sorted_p.masked_fill(cut, 0.0)
+        return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+    def _exponential_noise(self, shape: torch.Size, params: SamplingBatch) -> torch.Tensor:
+        noise = torch.empty(shape, device=self.device).exponential_(generator=self.generator)
+        for row, seed in enumerate(params.seeds):
+            if seed >= 0:
+                g = torch.Generator(self.device).manual_seed(mix_seed(seed, params.steps[row]))
+                noise[row].exponential_(generator=g)
+        # E == 0 would turn a zero-probability token into 0/0
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)

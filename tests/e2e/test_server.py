@@ -1,0 +1,135 @@
+"""End to end: the real launch.py, three real processes, the real default model, real HTTP."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+import requests
+
+from tests.e2e.server_process import ServerProcess, children_of, cmdline, pid_alive
+
+CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+               "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?"
+               "<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--max-running-requests", "4")
+    yield srv
+    srv.kill()
+
+
+def generate(server, body, **kw):
+    return requests.post(server.url + "/generate", json=body, timeout=120, **kw)
+
+
+def stream_generate(server, body) -> list[dict]:
+    chunks = []
+    with requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True,
+                       timeout=120) as r:
+        assert r.status_code == 200
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith(b"data: ")
+            payload = line[len(b"data: "):]
+            if payload == b"[DONE]":
+                chunks.append("[DONE]")
+                continue
+            chunks.append(json.loads(payload))
+    return chunks
+
+
+def test_server_starts_three_child_processes_with_a_private_socket_dir(server):
+    assert sorted(cmdline(p).split()[2] for p in server.child_pids) == \
+        ["model_proc", "scheduler_proc", "tokenizer_proc"]
+    ipc_dir = re.search(r"ZMQ ipc sockets in (\S+)", "".join(server.log)).group(1)
+    assert os.stat(ipc_dir).st_mode & 0o777 == 0o700
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_chat_prompt_is_answered_with_paris(server):
+    r = generate(server, {"text": CHAT_PROMPT,
+                          "sampling_params": {"max_new_tokens": 24, "temperature": 0}})
+    assert r.status_code == 200
+    out = r.json()
+    assert "Paris" in out["text"], out["text"]
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == len(out["output_ids"]) > 0
+    assert meta["prompt_tokens"] > 10
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+    assert meta["e2e_latency"] > 0
+
+
+def test_concurrent_streaming_and_non_streaming_requests(server):
+    prompts = [f"Count to {n}: 1, 2," for n in range(3, 9)]
+    bodies = [{"text": p, "sampling_params": {"max_new_tokens": 6 + i, "temperature": 0,
+                                              "ignore_eos": True}}
+              for i, p in enumerate(prompts)]
+
+    def run(i):
+        if i % 2:
+            chunks = stream_generate(server, bodies[i])
+            assert chunks[-1] == "[DONE]"
+            final = chunks[-2]
+            texts = [c["text"] for c in chunks[:-1]]
+            assert all(texts[k + 1].startswith(texts[k]) for k in range(len(texts) - 1)), \
+                "streamed text must be cumulative"
+            assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-2])
+            return final
+        r = generate(server, bodies[i])
+        assert r.status_code == 200
+        return r.json()
+
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        results = list(pool.map(run, range(len(bodies))))
+    for i, res in enumerate(results):
+        assert res["meta_info"]["completion_tokens"] == 6 + i
+        assert res["meta_info"]["finish_reason"] == {"type": "length", "length": 6 + i}
+
+    # greedy: the same request alone gives the same text as it did under load
+    alone = generate(server, bodies[0]).json()
+    assert alone["output_ids"] == results[0]["output_ids"]
+
+
+def test_bad_request_gets_400_and_server_keeps_serving(server):
+    r = requests.post(server.url + "/generate", data=b"{not json", timeout=10)
+    assert r.status_code == 400
+    assert set(r.json()["error"]) >= {"message", "type", "code"}
+    r = generate(server, {"text": "", "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 400
+    r = generate(server, {"text": "Hello", "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200
+
+
+def test_sigint_stops_every_child_and_removes_the_socket_dir(server):
+    pids = list(server.child_pids)
+    assert server.stop(signal.SIGINT) == 0
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in pids)
+    assert not children_of(server.proc.pid)
+    ipc_dir = re.search(r"ZMQ ipc sockets in (\S+)", "".join(server.log)).group(1)
+    assert not os.path.exists(ipc_dir)
+
+
+def test_server_exits_nonzero_when_a_child_dies():
+    srv = ServerProcess("--max-running-requests", "2")
+    try:
+        model_pid = next(p for p in srv.child_pids if "model_proc" in cmdline(p))
+        os.kill(model_pid, signal.SIGKILL)
+        code = srv.proc.wait(timeout=30)
+        assert code != 0
+        time.sleep(0.5)
+        assert not any(pid_alive(p) for p in srv.child_pids)
+    finally:
+        srv.kill()

@@ -1,0 +1,156 @@
+"""Shared test helpers: tiny random-weight models and transformers' reference output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+TINY_CONFIG: dict[str, Any] = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    max_position_embeddings=512,
+    eos_token_id=2,
+    bos_token_id=1,
+    pad_token_id=0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+
+def make_tiny_llama(folder: str, *, model_type: str = "llama", seed: int = 0,
+                    **config_overrides: Any) -> str:
+    """Save a tiny random model (config.json + model.safetensors, no tokenizer)
+    that transformers can load back; returns `folder`.
+
+    Weights are drawn with a wide spread (std 0.3 instead of 0.02) so the
+    logits spread out and greedy choices are far from ties: a float32
+    reimplementation then matches token for token.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    config_cls, model_cls = classes[model_type]
+    config = config_cls(**{**TINY_CONFIG, **config_overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)  # norms near 1, but not exactly 1
+            else:  # linear weights, biases and the embedding
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
+def load_hf(folder: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_last_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits of the last position of one sequence, no cache."""
+    return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+@torch.inference_mode()
+def hf_greedy(folder_or_model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy `generate` in float32, exactly `max_new_tokens` tokens.
+
+    EOS is disabled (not suppressed): the model may still pick the EOS id, and
+    generation just goes on, as the model process does (stopping is the
+    scheduler's job).
+    """
+    from transformers import GenerationConfig
+
+    model = load_hf(folder_or_model) if isinstance(folder_or_model, str) else folder_or_model
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
+                           pad_token_id=0)
+    # generate() fills an unset eos_token_id from the model's own generation
+    # config, so that one is cleared for the call too
+    saved_eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        out = model.generate(torch.tensor([prompt_ids]), generation_config=gen,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    finally:
+        model.generation_config.eos_token_id = saved_eos
+    new = out[0, len(prompt_ids):].tolist()
+    assert len(new) == max_new_tokens
+    return new
+
+
+class RunnerDriver:
+    """Drives a ModelRunner the way the scheduler would, minus the policy:
+    hands out request rows and KV slots (scattered, so paging is exercised)
+    and builds ForwardBatches with the right prefix/seq lengths."""
+
+    def __init__(self, runner: Any, seed: int = 0) -> None:
+        self.runner = runner
+        gen = torch.Generator().manual_seed(seed)
+        self.free_slots = (torch.randperm(runner.max_total_tokens, generator=gen) + 1).tolist()
+        self.free_rows = list(range(1, runner.server_args.max_running_requests + 1))
+        self.seq_lens: dict[int, int] = {}
+        self.generated: dict[int, int] = {}
+
+    def new_row(self) -> int:
+        row = self.free_rows.pop(0)
+        self.seq_lens[row] = 0
+        self.generated[row] = 0
+        return row
+
+    def _slots(self, n: int) -> list[int]:
+        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        assert len(out) == n, "test KV pool too small"
+        return out
+
+    def extend(self, rows: list[int], new_tokens: list[list[int]], **sampling: Any) -> Any:
+        """Rows continue from whatever they already hold in the pool."""
+        prefix = [self.seq_lens[r] for r in rows]
+        for r, toks in zip(rows, new_tokens):
+            self.seq_lens[r] += len(toks)
+        flat = [t for toks in new_tokens for t in toks]
+        return self._batch("extend", rows, prefix, flat, **sampling)
+
+    def decode(self, rows: list[int], tokens: list[int], **sampling: Any) -> Any:
+        for r in rows:
+            self.seq_lens[r] += 1
+        return self._batch("decode", rows, [], list(tokens), **sampling)
+
+    def _batch(self, mode: str, rows: list[int], prefix: list[int], flat: list[int],
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
+               min_p: float = 0.0, seed: int = -1) -> Any:
+        from common.messages import ForwardBatch
+
+        n = len(rows)
+        batch = ForwardBatch(
+            forward_mode=mode, req_pool_indices=list(rows),
+            seq_lens=[self.seq_lens[r] for r in rows], prefix_lens=prefix,
+            input_ids=flat, out_cache_loc=self._slots(len(flat)),
+            temperatures=[temperature] * n, top_ps=[top_p] * n, top_ks=[top_k] * n,
+            min_ps=[min_p] * n, seeds=[seed] * n, sample_steps=[self.generated[r] for r in rows])
+        return batch
+
+    def step(self, batch: Any) -> list[int]:
+        """Run a batch and sample; counts the generated tokens per row."""
+        ids = self.runner.forward(batch).next_token_ids
+        for r in batch.req_pool_indices:
+            self.generated[r] += 1
+        return ids
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Prefill all prompts in one ragged batch, then decode them together."""
+        rows = [self.new_row() for _ in prompts]
+        out = [[t] for t in self.step(self.extend(rows, prompts))]
+        for _ in range(max_new_tokens - 1):
+            ids = self.step(self.decode(rows, [o[-1] for o in out]))
+            for o, t in zip(out, ids):
+                o.append(t)
+        return out

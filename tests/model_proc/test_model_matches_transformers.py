@@ -1,0 +1,75 @@
+"""Our flat-token-axis model gives transformers' logits, step by step over the pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import RunnerDriver, hf_last_logits, load_hf, make_tiny_llama
+
+ATOL = 1e-4
+PROMPTS = [[5, 17, 99, 3, 250, 7, 8], [40, 41], [300, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+def assert_rows_match(hf, logits: torch.Tensor, seqs: list[list[int]]) -> None:
+    assert logits.dtype == torch.float32 and logits.shape[0] == len(seqs)
+    for row_logits, seq in zip(logits, seqs):
+        torch.testing.assert_close(row_logits, hf_last_logits(hf, seq), atol=ATOL, rtol=0)
+
+
+def run_extend_then_decode(runner, hf, prompts: list[list[int]], steps: int = 4) -> None:
+    driver = RunnerDriver(runner)
+    rows = [driver.new_row() for _ in prompts]
+    seqs = [list(p) for p in prompts]
+    logits = runner.compute_logits(driver.extend(rows, prompts))
+    assert_rows_match(hf, logits, seqs)
+    for _ in range(steps):
+        nxt = logits.argmax(-1).tolist()
+        for s, t in zip(seqs, nxt):
+            s.append(t)
+        logits = runner.compute_logits(driver.decode(rows, nxt))
+        assert_rows_match(hf, logits, seqs)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_ragged_extend_then_decode_logits_equal_transformers(model, request, make_runner):
+    folder = request.getfixturevalue(f"tiny_{model}_dir")
+    run_extend_then_decode(make_runner(folder), load_hf(folder), PROMPTS)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_extend_on_top_of_a_prefix_in_the_pool_equals_transformers(model, request, make_runner):
+    folder = request.getfixturevalue(f"tiny_{model}_dir")
+    runner, hf = make_runner(folder), load_hf(folder)
+    driver = RunnerDriver(runner, seed=3)
+    a, b = driver.new_row(), driver.new_row()
+    first = PROMPTS[2][:5]
+    assert_rows_match(hf, runner.compute_logits(driver.extend([a], [first])), [first])
+    # row a continues after its 5 pooled tokens; row b is fresh, in the same batch
+    rest, fresh = PROMPTS[2][5:], PROMPTS[0]
+    logits = runner.compute_logits(driver.extend([a, b], [rest, fresh]))
+    assert_rows_match(hf, logits, [PROMPTS[2], fresh])
+    # and decoding goes on from both
+    logits = runner.compute_logits(driver.decode([a, b], [33, 44]))
+    assert_rows_match(hf, logits, [PROMPTS[2] + [33], fresh + [44]])
+
+
+def test_single_new_token_extend_with_prefix_equals_transformers(tiny_llama_dir, tiny_llama_hf, make_runner):
+    runner = make_runner(tiny_llama_dir)
+    driver = RunnerDriver(runner)
+    row = driver.new_row()
+    runner.compute_logits(driver.extend([row], [PROMPTS[0][:-1]]))
+    logits = runner.compute_logits(driver.extend([row], [PROMPTS[0][-1:]]))
+    assert_rows_match(tiny_llama_hf, logits, [PROMPTS[0]])
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(attention_bias=True, mlp_bias=True),
+    dict(rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                              high_freq_factor=4.0, original_max_position_embeddings=32)),
+    dict(head_dim=32, tie_word_embeddings=True),
+], ids=["llama_biases", "llama3_rope_scaling", "wide_head_dim_tied"])
+def test_llama_variants_equal_transformers(overrides, tmp_path, make_runner):
+    folder = make_tiny_llama(str(tmp_path), seed=2, **overrides)
+    long_prompt = [(i * 37) % 500 + 3 for i in range(90)]  # past the llama3 original context
+    run_extend_then_decode(make_runner(folder), load_hf(folder), [long_prompt, PROMPTS[1]], steps=2)

@@ -1,0 +1,65 @@
+"""`python -m model_proc` as a real process: ready message, then batches in, results out."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import zmq
+
+from common.ipc import PullSocket, PushSocket
+from common.messages import ForwardBatch, ForwardResult, IpcPaths, ReadyMsg
+from common.proc import ChildConfig, encode_child_config
+from common.server_args import ServerArgs
+from tests.helpers import hf_greedy
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPT = [1, 45, 300, 12, 7]
+
+
+@pytest.fixture
+def model_process(tiny_llama_dir, tmp_path):
+    ipc = IpcPaths.in_dir(str(tmp_path))
+    args = ServerArgs(model_path=tiny_llama_dir, max_total_tokens=64, max_running_requests=2)
+    ctx = zmq.Context()
+    launcher = PullSocket(ctx, ipc.launcher, ReadyMsg)
+    results = PullSocket(ctx, ipc.model_output, ForwardResult)
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "model_proc", "--config",
+         encode_child_config(ChildConfig(server_args=args, ipc=ipc))], cwd=REPO, env=env)
+    try:
+        ready = launcher.recv(timeout_ms=60_000)
+        assert ready is not None, "model process sent no ReadyMsg"
+        batches = PushSocket(ctx, ipc.model_input)
+        yield proc, ready, batches, results
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        ctx.destroy(linger=0)
+
+
+def test_model_process_serves_forward_batches(model_process, tiny_llama_hf):
+    proc, ready, batches, results = model_process
+    assert ready.proc == "model" and ready.pid == proc.pid
+    assert ready.model_info.max_total_tokens == 64 and ready.model_info.eos_token_ids == [2]
+
+    n = len(PROMPT)
+    batches.send(ForwardBatch("extend", [1], [n], [0], PROMPT, list(range(1, n + 1)),
+                              [0.0], [1.0], [-1], [0.0], [-1], [0]))
+    out = results.recv(timeout_ms=30_000)
+    assert out is not None and out.forward_time > 0
+    tokens = list(out.next_token_ids)
+    batches.send(ForwardBatch("decode", [1], [n + 1], [], tokens, [n + 1],
+                              [0.0], [1.0], [-1], [0.0], [-1], [1]))
+    out = results.recv(timeout_ms=30_000)
+    tokens += out.next_token_ids
+    assert tokens == hf_greedy(tiny_llama_hf, PROMPT, 2)
+
+
+def test_model_process_dies_on_a_bad_batch(model_process):
+    proc, _ready, batches, _results = model_process
+    batches.send(ForwardBatch("decode", [1], [5], [], [1, 2], [1], [0.0], [1.0], [-1], [0.0], [-1], [0]))
+    assert proc.wait(timeout=30) != 0

@@ -1,0 +1,88 @@
+"""A stand-in scheduler for testing the HTTP front end alone.
+
+It binds `scheduler_input` and pushes to `tokenizer_input`, as the real one
+does, and answers each request with a fixed token script in small chunks.
+The rid picks the behaviour:
+  "hang..."  sends one chunk, then waits for an AbortReq and answers it;
+  "slow..."  like the default, with longer pauses between chunks;
+  otherwise  the script (cut to max_new_tokens) then EOS, in chunks of 3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from common.messages import AbortReq, BatchTokenOut, IpcPaths, ToSchedulerMsg, TokenizedGenerateReq
+
+
+class FakeScheduler:
+    def __init__(self, ipc: IpcPaths, script: list[int], eos: int) -> None:
+        self.script, self.eos = script, eos
+        self.received: list[ToSchedulerMsg] = []
+        self._aborted: dict[str, asyncio.Event] = {}
+        self.ctx = zmq.asyncio.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(ipc.scheduler_input)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(ipc.tokenizer_input)
+        self._decoder = msgspec.msgpack.Decoder(ToSchedulerMsg)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def aborts(self) -> list[str]:
+        return [m.rid for m in self.received if isinstance(m, AbortReq)]
+
+    def requests(self) -> list[TokenizedGenerateReq]:
+        return [m for m in self.received if isinstance(m, TokenizedGenerateReq)]
+
+    async def run(self) -> None:
+        while True:
+            msg = self._decoder.decode(await self.pull.recv())
+            self.received.append(msg)
+            if isinstance(msg, TokenizedGenerateReq):
+                self._aborted[msg.rid] = asyncio.Event()
+                task = asyncio.create_task(self._serve(msg))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            elif msg.rid in self._aborted:
+                self._aborted[msg.rid].set()
+
+    async def _send(self, req: TokenizedGenerateReq, new: list[int], done: int,
+                    reason: dict | None) -> None:
+        out = BatchTokenOut(
+            rids=[req.rid], new_token_ids=[new], finished_reasons=[reason],
+            prompt_tokens=[len(req.input_ids)], completion_tokens=[done],
+            cached_tokens=[0], num_retractions=[0])
+        await self.push.send(self._encoder.encode(out))
+
+    async def _serve(self, req: TokenizedGenerateReq) -> None:
+        aborted = self._aborted[req.rid]
+        n = req.sampling_params.max_new_tokens
+        tokens = self.script[:n] if n <= len(self.script) else self.script + [self.eos]
+        final = ({"type": "length", "length": n} if n <= len(self.script)
+                 else {"type": "stop", "matched": self.eos})
+        if req.rid.startswith("hang"):
+            await self._send(req, tokens[:3], 3, None)
+            await aborted.wait()
+            await self._send(req, [], 3, {"type": "abort", "message": "aborted by client"})
+            return
+        pause = 0.1 if req.rid.startswith("slow") else 0.01
+        for start in range(0, len(tokens), 3):
+            await asyncio.sleep(pause)
+            if aborted.is_set():
+                await self._send(req, [], start, {"type": "abort", "message": "aborted by client"})
+                return
+            chunk = tokens[start:start + 3]
+            last = start + 3 >= len(tokens)
+            await self._send(req, chunk, start + len(chunk), final if last else None)
+
+    def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self.pull.close(linger=0)
+        self.push.close(linger=0)
+        self.ctx.term()

@@ -1,0 +1,147 @@
+"""The tokenizer process's side of the scheduler link.
+
+Requests go out over a PUSH socket; one background task reads every
+`BatchTokenOut` from the PULL socket and hands each row to its request's
+`ReqState`, waking the HTTP handler that waits on it. A request stays
+registered until the scheduler sends its final row (finished or aborted), so
+a rid is never reused while the scheduler still holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from common.ipc import AsyncPullSocket, PushSocket
+from common.messages import AbortReq, BatchTokenOut, IpcPaths, TokenizedGenerateReq
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReqState:
+    rid: str
+    prompt_tokens: int
+    arrival: float  # time.perf_counter() when the HTTP request came in
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    num_retractions: int = 0
+    abort_sent: bool = False
+    # Set whenever new output arrives; the handler clears it after reading.
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def text_ids(self) -> list[int]:
+        """Output ids that make up the text: a matched stop token is not text."""
+        reason = self.finish_reason
+        if (reason and reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
+                and self.output_ids and self.output_ids[-1] == reason["matched"]):
+            return self.output_ids[:-1]
+        return self.output_ids
+
+    def meta_info(self) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "num_retractions": self.num_retractions,
+            "finish_reason": self.finish_reason,
+            "e2e_latency": time.perf_counter() - self.arrival,
+        }
+
+
+class DuplicateRidError(Exception):
+    pass
+
+
+class TokenizerManager:
+    def __init__(self, ipc: IpcPaths) -> None:
+        self.ctx = zmq.Context()
+        self.actx = zmq.asyncio.Context()
+        self.to_scheduler = PushSocket(self.ctx, ipc.scheduler_input)
+        self.from_scheduler: AsyncPullSocket[BatchTokenOut] = AsyncPullSocket(
+            self.actx, ipc.tokenizer_input, BatchTokenOut, bind=True)
+        self.states: dict[str, ReqState] = {}
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._output_loop())
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        self.to_scheduler.close()
+        self.from_scheduler.close()
+        self.ctx.term()
+        self.actx.term()
+
+    def submit(self, req: TokenizedGenerateReq, arrival: float) -> ReqState:
+        """Registers and sends a request; `arrival` is its perf_counter() time."""
+        if req.rid in self.states:
+            raise DuplicateRidError(f"a request with rid {req.rid!r} is already running")
+        state = ReqState(rid=req.rid, prompt_tokens=len(req.input_ids), arrival=arrival)
+        self.states[req.rid] = state
+        try:
+            self.to_scheduler.send(req)
+        except Exception:
+            del self.states[req.rid]
+            raise
+        return state
+
+    def abort(self, state: ReqState) -> None:
+        """Asks the scheduler to drop the request (its KV is freed at once). The
+        state stays registered until the scheduler's final row arrives."""
+        if state.finished or state.abort_sent:
+            return
+        state.abort_sent = True
+        logger.info("abort request %s", state.rid)
+        self.to_scheduler.send(AbortReq(rid=state.rid))
+
+    def finish_all(self, message: str) -> None:
+        """Ends every request in flight at once (server shutdown: the scheduler
+        is stopping too), so their clients get an answer instead of a hang."""
+        for state in list(self.states.values()):
+            state.finish_reason = {"type": "abort", "message": message}
+            state.event.set()
+        self.states.clear()
+
+    async def _output_loop(self) -> None:
+        while True:
+            try:
+                out = await self.from_scheduler.recv()
+                self._dispatch(out)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one bad message must not stop every request
+                logger.exception("bad message from the scheduler")
+
+    def _dispatch(self, out: BatchTokenOut) -> None:
+        for i, rid in enumerate(out.rids):
+            state = self.states.get(rid)
+            if state is None:
+                continue  # not ours any more (should not happen)
+            state.output_ids.extend(out.new_token_ids[i])
+            state.prompt_tokens = out.prompt_tokens[i]
+            state.completion_tokens = out.completion_tokens[i]
+            state.cached_tokens = out.cached_tokens[i]
+            state.num_retractions = out.num_retractions[i]
+            if out.finished_reasons[i] is not None:
+                state.finish_reason = out.finished_reasons[i]
+                del self.states[rid]
+            state.event.set()

@@ -1,0 +1,148 @@
+"""One small tokenizer interface over the two formats models ship with.
+
+- Hugging Face fast tokenizers (a folder holding tokenizer.json), through
+  transformers' AutoTokenizer, local files only.
+- SentencePiece `tokenizer.model` files, wrapped directly: they load in
+  milliseconds and need no transformers conversion step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Protocol
+
+
+class Tokenizer(Protocol):
+    eos_token_ids: list[int]
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt, with the BOS token the model expects."""
+        ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Prompt ids for a chat, ending with the assistant's turn opener."""
+        ...
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """A folder with tokenizer.json is a HF fast tokenizer; a folder with only
+    tokenizer.model (or a .model file itself) is SentencePiece."""
+    if os.path.isfile(path):
+        if path.endswith(".model"):
+            return SentencePieceTokenizer(path)
+        raise ValueError(f"not a tokenizer file (expected a .model file): {path}")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"tokenizer path does not exist: {path}")
+    sp_file = os.path.join(path, "tokenizer.model")
+    if not os.path.exists(os.path.join(path, "tokenizer.json")) and os.path.exists(sp_file):
+        return SentencePieceTokenizer(sp_file)
+    return HFTokenizer(path)
+
+
+class HFTokenizer:
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer  # slow import: only when needed
+
+        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.vocab_size = len(self.tok)  # includes added (special) tokens
+        self.eos_token_ids = _eos_ids(self.tok.eos_token_id, path)
+
+    def encode(self, text: str) -> list[int]:
+        # The tokenizer's own default decides BOS (Llama adds it, SmolLM does not).
+        return list(self.tok.encode(text))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not getattr(self.tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        # Render to text and encode without special tokens: the template already
+        # writes any BOS itself. (tokenize=True returns a BatchEncoding in
+        # transformers 5 and a list in 4; text works in both.)
+        prompt = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tok.encode(prompt, add_special_tokens=False))
+
+
+def _eos_ids(tokenizer_eos: int | None, folder: str) -> list[int]:
+    """The tokenizer's EOS plus generation_config.json's (Llama 3 has several)."""
+    ids = [] if tokenizer_eos is None else [tokenizer_eos]
+    gen_cfg = os.path.join(folder, "generation_config.json")
+    if os.path.exists(gen_cfg):
+        with open(gen_cfg) as f:
+            extra = json.load(f).get("eos_token_id")
+        for i in extra if isinstance(extra, list) else [extra]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+class SentencePieceTokenizer:
+    def __init__(self, model_file: str) -> None:
+        import sentencepiece
+
+        self.sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self.vocab_size = self.sp.get_piece_size()
+        self.bos_id: int = self.sp.bos_id()  # -1 when the model has none
+        self.eos_token_ids = [self.sp.eos_id()] if self.sp.eos_id() >= 0 else []
+
+    def encode(self, text: str) -> list[int]:
+        return self._bos() + self.sp.encode(text)
+
+    def _bos(self) -> list[int]:
+        return [self.bos_id] if self.bos_id >= 0 else []
+
+    def _is_special(self, i: int) -> bool:
+        return self.sp.is_control(i) or self.sp.is_unknown(i)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        ids = [i for i in ids if 0 <= i < self.vocab_size]  # padded model vocab
+        if skip_special_tokens:
+            return self.sp.decode([i for i in ids if not self._is_special(i)])
+        # SentencePiece renders control tokens as "", so write their pieces
+        # ourselves between runs of ordinary tokens.
+        parts: list[str] = []
+        run: list[int] = []
+        for i in ids + [-1]:  # -1: sentinel that closes the last run
+            if i >= 0 and not self._is_special(i):
+                run.append(i)
+                continue
+            if run:
+                text = self.sp.decode(run)
+                # decode() drops the word-start space of a run's first piece;
+                # keep it when the run is not at the start of the text.
+                if parts and self.sp.id_to_piece(run[0]).startswith("\u2581"):
+                    text = " " + text
+                parts.append(text)
+                run = []
+            if i >= 0:
+                parts.append(self.sp.id_to_piece(i))
+        return "".join(parts)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Llama 2's [INST] format: each finished exchange is
+        `<s>[INST] user [/INST] answer </s>`; a system prompt goes inside the
+        first user turn."""
+        msgs = [dict(m) for m in messages]
+        if msgs and msgs[0].get("role") == "system":
+            system = msgs.pop(0)["content"]
+            if not msgs or msgs[0].get("role") != "user":
+                raise ValueError("a system message must be followed by a user message")
+            msgs[0]["content"] = f"<<SYS>>\n{system}\n<</SYS>>\n\n{msgs[0]['content']}"
+        if not msgs or msgs[-1].get("role") != "user":
+            raise ValueError("the last message must come from the user")
+        ids: list[int] = []
+        for k, m in enumerate(msgs):
+            want = "user" if k % 2 == 0 else "assistant"
+            if m.get("role") != want:
+                raise ValueError("roles must alternate user/assistant (after an optional system)")
+            content = str(m.get("content", "")).strip()
+            if want == "user":
+                ids += self._bos() + self.sp.encode(f"[INST] {content} [/INST]")
+            else:
+                ids += self.sp.encode(f" {content} ") + self.eos_token_ids[:1]
+        return ids
