@@ -32,6 +32,8 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     sampling_params: SamplingParams
     stream: bool = False
     arrival_time: float = 0.0
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -88,11 +90,17 @@ class ForwardBatch(msgspec.Struct, tag=True):
     min_ps: list[float]
     seeds: list[int]
     sample_steps: list[int]
+    return_logprob: bool = False  # some row wants the logprob of its sampled token
+    top_logprobs_nums: list[int] = []  # per row: how many top logprobs (0: none)
 
 
 class ForwardResult(msgspec.Struct, tag=True):
     next_token_ids: list[int]
     forward_time: float = 0.0  # seconds the model spent on this step
+    # filled when ForwardBatch.return_logprob: log-softmax of the raw logits
+    next_token_logprobs: list[float] = []
+    top_logprob_ids: list[list[int]] = []  # per row, top_logprobs_nums[i] entries
+    top_logprob_vals: list[list[float]] = []
 
 
 # ---- any child -> launch.py -----------------------------------------------------------

@@ -73,8 +73,24 @@ class ModelRunner:
         logits = self.compute_logits(batch)
         params = SamplingBatch.from_lists(batch.temperatures, batch.top_ps, batch.top_ks,
                                           batch.min_ps, batch.seeds, batch.sample_steps, self.device)
-        next_ids = self.sampler(logits, params).tolist()
-        return ForwardResult(next_token_ids=next_ids, forward_time=time.perf_counter() - start)
+        next_ids = self.sampler(logits, params)
+        result = ForwardResult(next_token_ids=next_ids.tolist())
+        if batch.return_logprob:
+            self._add_logprobs(result, logits, next_ids, batch.top_logprobs_nums)
+        result.forward_time = time.perf_counter() - start
+        return result
+
+    @staticmethod
+    def _add_logprobs(result: ForwardResult, logits: torch.Tensor, next_ids: torch.Tensor,
+                      top_nums: list[int]) -> None:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        result.next_token_logprobs = logprobs.gather(1, next_ids[:, None])[:, 0].tolist()
+        k = max(top_nums, default=0)
+        if k > 0:
+            vals, ids = logprobs.topk(k, dim=-1)
+            vals_l, ids_l = vals.tolist(), ids.tolist()
+            result.top_logprob_vals = [v[:n] for v, n in zip(vals_l, top_nums)]
+            result.top_logprob_ids = [i[:n] for i, n in zip(ids_l, top_nums)]
 
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:

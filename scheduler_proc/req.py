@@ -17,6 +17,8 @@ class Req:
     stop_token_ids: frozenset[int]  # eos (unless ignore_eos) plus the caller's stop ids
     stream: bool = False
     arrival_time: float = field(default_factory=time.time)
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
 
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int = 0  # row of req_to_token while resident, 0 when not
@@ -25,6 +27,9 @@ class Req:
     num_retractions: int = 0
     sent_len: int = 0  # output tokens already sent to the tokenizer process
     finish_sent: bool = False  # the final message went out
+    # when return_logprob: one entry per output token
+    output_token_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
 
     @classmethod
     def from_message(cls, msg: TokenizedGenerateReq, eos_token_ids: list[int]) -> "Req":
@@ -34,7 +39,8 @@ class Req:
             stop.update(eos_token_ids)
         return cls(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=sp,
                    stop_token_ids=frozenset(stop), stream=msg.stream,
-                   arrival_time=msg.arrival_time or time.time())
+                   arrival_time=msg.arrival_time or time.time(),
+                   return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -16,7 +16,8 @@ from scheduler_proc.memory import ReqToTokenPool, TokenSlotAllocator
 from scheduler_proc.req import Req
 
 # Per-row tensors that filter_batch gathers and merge_batch concatenates.
-ROW_FIELDS = ("req_pool_indices", "seq_lens", "temperatures", "top_ps", "top_ks", "min_ps", "seeds")
+ROW_FIELDS = ("req_pool_indices", "seq_lens", "temperatures", "top_ps", "top_ks", "min_ps", "seeds",
+              "top_logprobs_nums")
 
 
 class OutOfKVSlots(RuntimeError):
@@ -35,6 +36,8 @@ class ScheduleBatch:
     top_ks: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     min_ps: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     seeds: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    top_logprobs_nums: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    return_logprob: bool = False  # some row wants logprobs
     # this step only
     prefix_lens: list[int] = field(default_factory=list)
     input_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
@@ -52,6 +55,8 @@ class ScheduleBatch:
             top_ks=torch.tensor([sp.top_k for sp in sps], dtype=torch.int64),
             min_ps=torch.tensor([sp.min_p for sp in sps], dtype=torch.float32),
             seeds=torch.tensor([-1 if sp.seed is None else sp.seed for sp in sps], dtype=torch.int64),
+            top_logprobs_nums=torch.tensor([r.top_logprobs_num for r in reqs], dtype=torch.int64),
+            return_logprob=any(r.return_logprob for r in reqs),
         )
 
     def __len__(self) -> int:
@@ -69,6 +74,7 @@ class ScheduleBatch:
         if len(keep_indices) == len(self.reqs):
             return
         self.reqs = [self.reqs[i] for i in keep_indices]
+        self.return_logprob = any(r.return_logprob for r in self.reqs)
         idx = torch.tensor(keep_indices, dtype=torch.int64)
         for name in ROW_FIELDS:
             setattr(self, name, getattr(self, name).index_select(0, idx))
@@ -76,6 +82,7 @@ class ScheduleBatch:
     def merge_batch(self, other: "ScheduleBatch") -> None:
         """Append the rows of `other` (a batch that has just been prefilled)."""
         self.reqs.extend(other.reqs)
+        self.return_logprob = self.return_logprob or other.return_logprob
         for name in ROW_FIELDS:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
 
@@ -135,4 +142,6 @@ class ScheduleBatch:
             min_ps=self.min_ps.tolist(),
             seeds=self.seeds.tolist(),
             sample_steps=[len(r.output_ids) for r in self.reqs],
+            return_logprob=self.return_logprob,
+            top_logprobs_nums=self.top_logprobs_nums.tolist() if self.return_logprob else [],
         )

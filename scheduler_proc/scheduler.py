@@ -156,11 +156,16 @@ class Scheduler:
 
     def process_batch_result(self, batch: ScheduleBatch, result: ForwardResult) -> None:
         seq_lens = batch.seq_lens.tolist()
-        for req, seq_len, token in zip(batch.reqs, seq_lens, result.next_token_ids):
+        for i, (req, seq_len, token) in enumerate(zip(batch.reqs, seq_lens, result.next_token_ids)):
             if req.finished:  # aborted while the step ran
                 continue
             req.kv_len = seq_len
             req.output_ids.append(token)
+            if req.return_logprob:
+                req.output_token_logprobs.append(result.next_token_logprobs[i])
+                if req.top_logprobs_num:
+                    req.output_top_logprobs.append(
+                        list(zip(result.top_logprob_vals[i], result.top_logprob_ids[i])))
             req.check_finished(self.context_len)
             if req.finished:
                 self.release_req(req)

@@ -60,7 +60,6 @@ def hf_last_logits(model: Any, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0, -1].float()
 
 
-@torch.inference_mode()
 def hf_greedy(folder_or_model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy `generate` in float32, exactly `max_new_tokens` tokens.
 
@@ -68,11 +67,18 @@ def hf_greedy(folder_or_model: Any, prompt_ids: list[int], max_new_tokens: int) 
     generation just goes on, as the model process does (stopping is the
     scheduler's job).
     """
+    return hf_greedy_with_top(folder_or_model, prompt_ids, max_new_tokens, top=0)[0]
+
+
+@torch.inference_mode()
+def hf_greedy_with_top(folder_or_model: Any, prompt_ids: list[int], max_new_tokens: int,
+                       top: int = 5) -> tuple[list[int], list[list[int]]]:
+    """hf_greedy plus, at each output position, the ids of the `top` most likely tokens."""
     from transformers import GenerationConfig
 
     model = load_hf(folder_or_model) if isinstance(folder_or_model, str) else folder_or_model
     gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
-                           pad_token_id=0)
+                           pad_token_id=0, output_logits=top > 0, return_dict_in_generate=True)
     # generate() fills an unset eos_token_id from the model's own generation
     # config, so that one is cleared for the call too
     saved_eos = model.generation_config.eos_token_id
@@ -82,9 +88,34 @@ def hf_greedy(folder_or_model: Any, prompt_ids: list[int], max_new_tokens: int) 
                              attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
     finally:
         model.generation_config.eos_token_id = saved_eos
-    new = out[0, len(prompt_ids):].tolist()
+    new = out.sequences[0, len(prompt_ids):].tolist()
     assert len(new) == max_new_tokens
-    return new
+    tops = [step[0].float().topk(top).indices.tolist() for step in out.logits] if top > 0 else []
+    return new, tops
+
+
+NEAR_TIE_TOP = 5
+
+
+def greedy_parting(ours: list[int], ours_top: list[list[int]], ref: list[int],
+                   ref_top: list[list[int]]) -> int | None:
+    """The criterion serving engines use to compare greedy outputs, since CPU
+    matmuls are not batch-invariant (a row alone and in a batch can differ by
+    ~1e-6): the sequences must be identical, except that they may part at a
+    position where each side's token is among the other's top-5. Returns None
+    when identical, the parting position at a near-tie; any other difference
+    raises AssertionError. Nothing after a parting is compared: the two runs
+    then continue from different prefixes.
+    """
+    assert len(ours) == len(ref), f"lengths differ: {len(ours)} vs {len(ref)}"
+    for pos, (a, b) in enumerate(zip(ours, ref)):
+        if a == b:
+            continue
+        near_tie = a in ref_top[pos][:NEAR_TIE_TOP] and b in ours_top[pos][:NEAR_TIE_TOP]
+        assert near_tie, (f"outputs part at position {pos}: ours {a} (top-5 {ours_top[pos]}), "
+                          f"reference {b} (top-5 {ref_top[pos]}): not a near-tie")
+        return pos
+    return None
 
 
 class RunnerDriver:

