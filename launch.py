@@ -21,7 +21,7 @@ import zmq
 
 from common.ipc import PullSocket
 from common.messages import IpcPaths, ModelInfo, ReadyMsg
-from common.proc import ChildConfig, encode_child_config, setup_logging
+from common.proc import ChildConfig, child_env, setup_logging
 from common.server_args import ServerArgs
 
 logger = logging.getLogger("launch")
@@ -46,10 +46,8 @@ class Launcher:
 
     def spawn(self, name: str, module: str, model_info: ModelInfo | None) -> None:
         cfg = ChildConfig(server_args=self.args, ipc=self.ipc, model_info=model_info)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        self.children[name] = subprocess.Popen(
-            [sys.executable, "-m", module, "--config", encode_child_config(cfg)], env=env, cwd=ROOT)
+        self.children[name] = subprocess.Popen([sys.executable, "-m", module],
+                                               env=child_env(cfg), cwd=ROOT)
 
     def check_children(self) -> None:
         for name, proc in self.children.items():

@@ -58,6 +58,9 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     completion_tokens: list[int]
     cached_tokens: list[int]
     num_retractions: list[int]
+    # per row, for the new tokens of rows that asked for logprobs (else empty lists)
+    output_token_logprobs: list[list[float]] = []
+    output_top_logprobs: list[list[list[tuple[float, int]]]] = []  # (logprob, token id)
 
 
 # ---- scheduler_proc <-> model_proc ----------------------------------------------------

@@ -3,7 +3,6 @@ to the parent's, set up logging."""
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import logging
 import os
@@ -16,22 +15,32 @@ from common.messages import IpcPaths, ModelInfo
 from common.server_args import ServerArgs
 
 
+CHILD_CONFIG_ENV = "BATCHSERVE_CHILD_CONFIG"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 class ChildConfig(msgspec.Struct):
-    """Passed by launch.py to each child as JSON on its command line."""
+    """Passed by launch.py to each child as JSON in its environment (not on its
+    command line, where any local user could read an --api-key)."""
 
     server_args: ServerArgs
     ipc: IpcPaths
     model_info: ModelInfo | None = None
 
 
-def encode_child_config(cfg: ChildConfig) -> str:
-    return msgspec.json.encode(cfg).decode()
+def child_env(cfg: ChildConfig) -> dict[str, str]:
+    """The environment to start a child with: ours, the repo on PYTHONPATH, the config."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env[CHILD_CONFIG_ENV] = msgspec.json.encode(cfg).decode()
+    return env
 
 
 def child_main_setup(proc_name: str) -> ChildConfig:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    cfg = msgspec.json.decode(parser.parse_args().config.encode(), type=ChildConfig)
+    raw = os.environ.pop(CHILD_CONFIG_ENV, None)
+    if raw is None:
+        sys.exit(f"{proc_name}: no {CHILD_CONFIG_ENV} in the environment; start it with launch.py")
+    cfg = msgspec.json.decode(raw.encode(), type=ChildConfig)
     die_with_parent()
     setup_logging(cfg.server_args.log_level, proc_name)
     # launch.py owns shutdown: a Ctrl-C in the terminal reaches the whole process

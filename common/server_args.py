@@ -38,7 +38,7 @@ class ServerArgs:
     context_length: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
-    attention_backend: str = "torch"
+    attention_backend: str = ""  # default: triton on a CUDA device, torch elsewhere
     random_seed: int = 0
     # network
     host: str = "127.0.0.1"
@@ -49,6 +49,9 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     schedule_policy: str = "fcfs"
     stream_interval: int = 1
+    # HTTP
+    api_key: str = ""  # when set, every route but /health needs "Authorization: Bearer KEY"
+    max_request_bytes: int = 16 * 2**20
     # misc
     log_level: str = "info"
     cache_dir: str = field(default_factory=lambda: os.path.join(
@@ -67,7 +70,11 @@ class ServerArgs:
             raise ValueError("--stream-interval must be >= 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
-        if self.attention_backend not in ("torch",):
+        if not self.attention_backend:
+            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+        if self.max_request_bytes < 1:
+            raise ValueError("--max-request-bytes must be >= 1")
+        if self.attention_backend not in ("torch", "triton"):
             raise ValueError(f"--attention-backend {self.attention_backend!r} is not available")
         if self.schedule_policy not in ("fcfs",):
             raise ValueError(f"--schedule-policy {self.schedule_policy!r} is not available")
@@ -86,8 +93,8 @@ class ServerArgs:
         parser.add_argument("--dtype", default=d["dtype"].default,
                             choices=["float32", "bfloat16", "float16"])
         parser.add_argument("--device", default=d["device"].default)
-        parser.add_argument("--attention-backend", default=d["attention_backend"].default,
-                            choices=["torch"])
+        parser.add_argument("--attention-backend", default="", choices=["torch", "triton"],
+                            help="default: triton on a CUDA device, torch elsewhere")
         parser.add_argument("--random-seed", type=int, default=d["random_seed"].default)
         parser.add_argument("--host", default=d["host"].default)
         parser.add_argument("--port", type=int, default=d["port"].default)
@@ -100,6 +107,11 @@ class ServerArgs:
         parser.add_argument("--schedule-policy", default=d["schedule_policy"].default,
                             choices=["fcfs"])
         parser.add_argument("--stream-interval", type=int, default=d["stream_interval"].default)
+        parser.add_argument("--api-key", default=os.environ.get("API_KEY", ""),
+                            help="require 'Authorization: Bearer KEY' (default: $API_KEY)")
+        parser.add_argument("--max-request-bytes", type=int,
+                            default=d["max_request_bytes"].default,
+                            help="larger request bodies get HTTP 413")
         parser.add_argument("--log-level", default=d["log_level"].default,
                             choices=["debug", "info", "warning", "error"])
         parser.add_argument("--cache-dir", default=None,

@@ -1,6 +1,6 @@
 """The model process: receive a ForwardBatch, run it, send a ForwardResult.
 
-Started by launch.py as `python -m model_proc --config <json>`.
+Started by launch.py as `python -m model_proc`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The scheduler process: `python -m scheduler_proc --config JSON` (started by launch.py)."""
+"""The scheduler process: `python -m scheduler_proc` (started by launch.py)."""
 
 from __future__ import annotations
 

@@ -210,6 +210,8 @@ class Scheduler:
             out.completion_tokens.append(len(req.output_ids))
             out.cached_tokens.append(0)
             out.num_retractions.append(req.num_retractions)
+            out.output_token_logprobs.append(req.output_token_logprobs[req.sent_len:])
+            out.output_top_logprobs.append(req.output_top_logprobs[req.sent_len:])
             req.sent_len = len(req.output_ids)
             req.finish_sent = req.finished
         if out.rids:

@@ -1,4 +1,4 @@
-"""Entry point of the tokenizer/HTTP process: `python -m tokenizer_proc --config ...`."""
+"""Entry point of the tokenizer/HTTP process: `python -m tokenizer_proc`."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ async def serve(cfg: ChildConfig, tokenizer: Tokenizer) -> None:
 def main() -> None:
     cfg = child_main_setup("tokenizer")
     if cfg.model_info is None:
-        raise SystemExit("tokenizer_proc needs model_info in its --config")
+        raise SystemExit("tokenizer_proc needs model_info in its config")
     tokenizer = load_tokenizer(cfg.model_info.tokenizer_path)
     uvloop.run(serve(cfg, tokenizer))
 

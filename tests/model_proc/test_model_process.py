@@ -11,7 +11,7 @@ import zmq
 
 from common.ipc import PullSocket, PushSocket
 from common.messages import ForwardBatch, ForwardResult, IpcPaths, ReadyMsg
-from common.proc import ChildConfig, encode_child_config
+from common.proc import ChildConfig, child_env
 from common.server_args import ServerArgs
 from tests.helpers import hf_greedy
 
@@ -26,10 +26,8 @@ def model_process(tiny_llama_dir, tmp_path):
     ctx = zmq.Context()
     launcher = PullSocket(ctx, ipc.launcher, ReadyMsg)
     results = PullSocket(ctx, ipc.model_output, ForwardResult)
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "model_proc", "--config",
-         encode_child_config(ChildConfig(server_args=args, ipc=ipc))], cwd=REPO, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "model_proc"], cwd=REPO,
+                            env=child_env(ChildConfig(server_args=args, ipc=ipc)))
     try:
         ready = launcher.recv(timeout_ms=60_000)
         assert ready is not None, "model process sent no ReadyMsg"

@@ -18,7 +18,7 @@ import zmq
 
 from common.ipc import PullSocket
 from common.messages import IpcPaths, ModelInfo, ReadyMsg, ToSchedulerMsg, TokenizedGenerateReq
-from common.proc import ChildConfig, encode_child_config
+from common.proc import ChildConfig, child_env
 from common.server_args import ServerArgs
 from tokenizer_proc.tokenizer import load_tokenizer
 
@@ -44,7 +44,7 @@ def test_process_ready_health_sigterm(sp_folder: Path, tmp_path: Path) -> None:
     ctx = zmq.Context()
     launcher: PullSocket[ReadyMsg] = PullSocket(ctx, ipc.launcher, ReadyMsg, bind=True)
     scheduler: PullSocket[ToSchedulerMsg] = PullSocket(ctx, ipc.scheduler_input, ToSchedulerMsg, bind=True)
-    proc = subprocess.Popen([sys.executable, "-m", "tokenizer_proc", "--config", encode_child_config(cfg)],
+    proc = subprocess.Popen([sys.executable, "-m", "tokenizer_proc"], env=child_env(cfg),
                             cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:
         ready = launcher.recv(timeout_ms=20_000)
