@@ -61,6 +61,7 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     # per row, for the new tokens of rows that asked for logprobs (else empty lists)
     output_token_logprobs: list[list[float]] = []
     output_top_logprobs: list[list[list[tuple[float, int]]]] = []  # (logprob, token id)
+    queue_times: list[float] = []  # seconds from arrival to the first prefill
 
 
 # ---- scheduler_proc <-> model_proc ----------------------------------------------------

@@ -47,7 +47,13 @@ class ServerArgs:
     max_running_requests: int = 32
     max_total_tokens: int | None = None
     max_prefill_tokens: int = 16384
+    chunked_prefill_size: int = 1024  # -1 disables chunking
+    max_consecutive_prefill_batches: int = 2  # prefill batches before a decode step must run
     schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    max_queued_requests: int | None = None
+    batching: str = "continuous"  # continuous | static | dynamic
+    batch_timeout_ms: float = 50.0  # dynamic batching: launch a partial batch after this
     stream_interval: int = 1
     # HTTP
     api_key: str = ""  # when set, every route but /health needs "Authorization: Bearer KEY"
@@ -76,8 +82,20 @@ class ServerArgs:
             raise ValueError("--max-request-bytes must be >= 1")
         if self.attention_backend not in ("torch", "triton"):
             raise ValueError(f"--attention-backend {self.attention_backend!r} is not available")
-        if self.schedule_policy not in ("fcfs",):
+        if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"--schedule-policy {self.schedule_policy!r} is not available")
+        if self.batching not in ("continuous", "static", "dynamic"):
+            raise ValueError(f"--batching must be continuous, static or dynamic, not {self.batching!r}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError("--chunked-prefill-size must be positive, or -1 to disable chunking")
+        if self.max_consecutive_prefill_batches < 1:
+            raise ValueError("--max-consecutive-prefill-batches must be >= 1")
+        if self.schedule_conservativeness <= 0:
+            raise ValueError("--schedule-conservativeness must be > 0")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError("--max-queued-requests must be >= 0")
+        if self.batch_timeout_ms < 0:
+            raise ValueError("--batch-timeout-ms must be >= 0")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -104,8 +122,25 @@ class ServerArgs:
                             help="KV pool size in tokens; default: from a memory budget")
         parser.add_argument("--max-prefill-tokens", type=int,
                             default=d["max_prefill_tokens"].default)
+        parser.add_argument("--chunked-prefill-size", type=int,
+                            default=d["chunked_prefill_size"].default,
+                            help="split longer prompts over several prefill steps (-1: off)")
+        parser.add_argument("--max-consecutive-prefill-batches", type=int,
+                            default=d["max_consecutive_prefill_batches"].default,
+                            help="prefill batches in a row before running requests get a decode step")
         parser.add_argument("--schedule-policy", default=d["schedule_policy"].default,
-                            choices=["fcfs"])
+                            choices=["fcfs", "lpm"])
+        parser.add_argument("--schedule-conservativeness", type=float,
+                            default=d["schedule_conservativeness"].default,
+                            help="scales new_token_ratio: higher admits fewer requests")
+        parser.add_argument("--max-queued-requests", type=int, default=None,
+                            help="beyond this many waiting requests, new ones get HTTP 503")
+        parser.add_argument("--batching", default=d["batching"].default,
+                            choices=["continuous", "static", "dynamic"],
+                            help="static and dynamic are baselines for the batching study")
+        parser.add_argument("--batch-timeout-ms", type=float, default=d["batch_timeout_ms"].default,
+                            help="dynamic batching: launch a partial batch this long after "
+                                 "its first request arrived")
         parser.add_argument("--stream-interval", type=int, default=d["stream_interval"].default)
         parser.add_argument("--api-key", default=os.environ.get("API_KEY", ""),
                             help="require 'Authorization: Bearer KEY' (default: $API_KEY)")

@@ -27,9 +27,10 @@ def main() -> None:
     scheduler = Scheduler(cfg.server_args, cfg.model_info, ZmqModelClient(ctx, cfg.ipc),
                           to_tokenizer.send)
 
-    def recv_requests(block: bool) -> list[ToSchedulerMsg]:
-        if block:
-            first = requests.recv(timeout_ms=IDLE_POLL_MS)
+    def recv_requests(timeout_s: float | None) -> list[ToSchedulerMsg]:
+        if timeout_s is None or timeout_s > 0:
+            wait_ms = IDLE_POLL_MS if timeout_s is None else max(1, int(timeout_s * 1000))
+            first = requests.recv(timeout_ms=wait_ms)
             return ([first] if first is not None else []) + requests.recv_nowait()
         return requests.recv_nowait()
 

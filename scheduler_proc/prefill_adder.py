@@ -7,50 +7,93 @@ from dataclasses import dataclass, field
 
 from scheduler_proc.req import Req
 
+# A request's remaining max_new_tokens counts at most this much in the estimate
+# (SGLang's CLIP_MAX_NEW_TOKENS): a huge max_new_tokens should not block admission.
+CLIP_MAX_NEW_TOKENS = 4096
+
+
+def expected_new_tokens(req: Req, new_token_ratio: float) -> int:
+    """How many more KV slots `req` is expected to need while decoding.
+
+    A request that ignores EOS runs to max_new_tokens for sure: ratio 1.0."""
+    ratio = 1.0 if req.sampling_params.ignore_eos else new_token_ratio
+    return math.ceil(min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * ratio)
+
 
 @dataclass
 class PrefillAdder:
     """Admits waiting requests while every budget holds.
 
     `rem_total_tokens` starts as the free KV slots minus what the running
-    requests are still expected to need (remaining new tokens times
-    `new_token_ratio`); each admitted request takes its prompt plus its own
-    expected remainder out of it.
+    requests are still expected to need; each admitted request takes its
+    uncached prompt plus its own expected remainder out of it.
+    `rem_chunk_tokens` (None: no chunking) caps the tokens this prefill
+    computes: the request that crosses it is cut, and the rest of its prompt
+    goes in later prefill batches.
     """
 
     rem_running: int  # free places in the running batch
     rem_total_tokens: float  # KV slots not promised to anyone
-    rem_prefill_tokens: int  # tokens this prefill batch may still compute
+    rem_prefill_tokens: int  # --max-prefill-tokens still unused
+    rem_chunk_tokens: int | None  # --chunked-prefill-size still unused
     new_token_ratio: float
     can_run: list[Req] = field(default_factory=list)
+    new_chunked_req: Req | None = None  # admitted with only part of its prompt
 
     @classmethod
-    def for_step(cls, *, max_running: int, num_running: int, free_slots: int,
-                 running: list[Req], max_prefill_tokens: int,
+    def for_step(cls, *, max_running: int, running: list[Req], free_slots: int,
+                 max_prefill_tokens: int, chunked_prefill_size: int,
                  new_token_ratio: float) -> "PrefillAdder":
-        reserved = sum(cls.expected_new_tokens(r, new_token_ratio) for r in running)
-        return cls(rem_running=max_running - num_running,
+        reserved = sum(expected_new_tokens(r, new_token_ratio) for r in running)
+        return cls(rem_running=max_running - len(running),
                    rem_total_tokens=free_slots - reserved,
                    rem_prefill_tokens=max_prefill_tokens,
+                   rem_chunk_tokens=None if chunked_prefill_size < 0 else chunked_prefill_size,
                    new_token_ratio=new_token_ratio)
 
-    @staticmethod
-    def expected_new_tokens(req: Req, ratio: float) -> int:
-        return math.ceil(req.remaining_new_tokens * ratio)
+    def add_chunked_req(self, req: Req, free_slots: int) -> None:
+        """The next chunk of a prompt admitted earlier: its KV budget was promised
+        then, so only the chunk size and the slots free right now bound it."""
+        extend = req.seq_len - req.kv_len
+        if self.rem_chunk_tokens is not None:
+            extend = min(extend, self.rem_chunk_tokens)
+        extend = min(extend, free_slots)
+        if extend <= 0:
+            return
+        if req.kv_len + extend < req.seq_len:
+            self.new_chunked_req = req
+        req.extend_input_len = extend
+        self.can_run.append(req)
+        self.rem_running -= 1
+        self.rem_total_tokens -= extend
+        self.rem_prefill_tokens -= extend
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= extend
 
     def try_add(self, req: Req) -> bool:
-        """Admit `req` if it fits; False means stop adding (keep queue order)."""
-        if self.rem_running <= 0:
+        """Admit `req` (sets req.extend_input_len) if it fits; False means stop
+        adding, so the queue's order is kept."""
+        if self.rem_running <= 0 or self.new_chunked_req is not None:
             return False
         extend = req.seq_len - req.kv_len
-        need = extend + self.expected_new_tokens(req, self.new_token_ratio)
+        # the whole remaining prompt must fit, even when only a chunk runs now,
+        # so that a chunked request can always finish its prefill
+        need = extend + expected_new_tokens(req, self.new_token_ratio)
         if need > self.rem_total_tokens:
             return False
-        # One request longer than the prefill budget still runs, alone.
+        # one request longer than the prefill budget still runs, alone
         if extend > self.rem_prefill_tokens and self.can_run:
             return False
+        if self.rem_chunk_tokens is not None and extend > self.rem_chunk_tokens:
+            if self.rem_chunk_tokens <= 0:
+                return False
+            extend = self.rem_chunk_tokens
+            self.new_chunked_req = req
+        req.extend_input_len = extend
         self.can_run.append(req)
         self.rem_running -= 1
         self.rem_total_tokens -= need
         self.rem_prefill_tokens -= extend
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= extend
         return True

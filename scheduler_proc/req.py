@@ -23,6 +23,8 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int = 0  # row of req_to_token while resident, 0 when not
     kv_len: int = 0  # tokens of fill_ids whose KV sits in the pool
+    extend_input_len: int = 0  # tokens the coming prefill computes (a chunk, or all)
+    admit_time: float | None = None  # first prefill start (queue time = admit - arrival)
     finished_reason: dict[str, Any] | None = None
     num_retractions: int = 0
     sent_len: int = 0  # output tokens already sent to the tokenizer process
@@ -69,5 +71,13 @@ class Req:
         elif self.seq_len >= context_len:
             self.finished_reason = {"type": "length", "length": len(self.output_ids)}
 
-    def abort(self, message: str) -> None:
+    @property
+    def queue_time(self) -> float:
+        """Seconds from arrival to the first prefill (so far, if still waiting)."""
+        end = self.admit_time if self.admit_time is not None else time.time()
+        return max(0.0, end - self.arrival_time)
+
+    def abort(self, message: str, status_code: int | None = None) -> None:
         self.finished_reason = {"type": "abort", "message": message}
+        if status_code is not None:  # the HTTP status the client should see (503: queue full)
+            self.finished_reason["status_code"] = status_code

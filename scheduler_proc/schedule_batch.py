@@ -100,20 +100,23 @@ class ScheduleBatch:
                 r.req_pool_idx = row
         fills = [r.fill_ids for r in self.reqs]
         self.prefix_lens = [r.kv_len for r in self.reqs]
-        extend_lens = [len(f) - p for f, p in zip(fills, self.prefix_lens)]
+        extend_lens = [r.extend_input_len or len(f) - p
+                       for r, f, p in zip(self.reqs, fills, self.prefix_lens)]
         locs = allocator.alloc(sum(extend_lens))
         if locs is None:
             raise OutOfKVSlots(f"cannot allocate {sum(extend_lens)} KV slots")
         self.out_cache_loc = locs
         self.input_ids = torch.tensor(
-            [t for f, p in zip(fills, self.prefix_lens) for t in f[p:]], dtype=torch.int64)
+            [t for f, p, n in zip(fills, self.prefix_lens, extend_lens) for t in f[p:p + n]],
+            dtype=torch.int64)
         table = req_to_token_pool.req_to_token
         start = 0
         for r, p, n in zip(self.reqs, self.prefix_lens, extend_lens):
             table[r.req_pool_idx, p:p + n] = locs[start:start + n].to(torch.int32)
             start += n
         self.req_pool_indices = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
-        self.seq_lens = torch.tensor([len(f) for f in fills], dtype=torch.int64)
+        self.seq_lens = torch.tensor([p + n for p, n in zip(self.prefix_lens, extend_lens)],
+                                     dtype=torch.int64)
 
     def prepare_for_decode(self, req_to_token_pool: ReqToTokenPool,
                            allocator: TokenSlotAllocator) -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from common.messages import (AbortReq, BatchTokenOut, ForwardBatch, ForwardResult, ModelInfo,
                              TokenizedGenerateReq, ToSchedulerMsg)
 from common.server_args import ServerArgs
 from scheduler_proc.memory import ReqToTokenPool, TokenSlotAllocator
+from scheduler_proc.policy import order_waiting_queue
 from scheduler_proc.prefill_adder import PrefillAdder
 from scheduler_proc.req import Req
 from scheduler_proc.schedule_batch import ScheduleBatch
@@ -18,6 +19,14 @@ from scheduler_proc.schedule_batch import ScheduleBatch
 logger = logging.getLogger(__name__)
 
 DECODE_LOG_INTERVAL = 40  # decode steps between "Decode batch." log lines, as SGLang
+# new_token_ratio, SGLang's defaults: start at 0.7 (times --schedule-conservativeness),
+# decay over 600 decode steps to 0.14 of that; after a retraction, jump to an estimate
+# that assumes every remaining row decodes RETRACT_DECODE_STEPS more tokens.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+RETRACT_DECODE_STEPS = 20
+QUEUE_FULL_STATUS = 503
 
 
 class ModelClient(Protocol):
@@ -40,12 +49,21 @@ class Scheduler:
         self.waiting_queue: deque[Req] = deque()
         self.running_batch: ScheduleBatch | None = None
         self.last_batch: ScheduleBatch | None = None
+        self.chunked_req: Req | None = None  # mid-way through a chunked prefill
         self.reqs_by_rid: dict[str, Req] = {}  # every request not yet finished
-        # Until retraction exists, admission promises every running request its
-        # whole remaining max_new_tokens, so a decode step can never run out of slots.
-        self.new_token_ratio = 1.0
+        self.num_consecutive_prefill = 0
 
+        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) \
+            / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
+
+        # counters
         self.num_decode_steps = 0
+        self.total_retractions = 0
+        self.useful_row_steps = 0  # rows whose step produced a token that was kept
+        self.total_row_steps = 0  # rows computed (static batching also computes finished ones)
         self.decode_tokens_since_log = 0
         self.last_decode_log_time = time.perf_counter()
 
@@ -66,8 +84,13 @@ class Scheduler:
             logger.error("dropping request with duplicate rid %r", msg.rid)
             return
         error = self.validate(req)
-        if error:
+        if error is None and self.args.max_queued_requests is not None \
+                and len(self.waiting_queue) >= self.args.max_queued_requests:
+            error = f"the queue is full ({self.args.max_queued_requests} requests waiting)"
+            req.abort(error, status_code=QUEUE_FULL_STATUS)
+        elif error is not None:
             req.abort(error)
+        if req.finished:
             self.stream_output([req])
             return
         self.reqs_by_rid[req.rid] = req
@@ -76,16 +99,15 @@ class Scheduler:
     def validate(self, req: Req) -> str | None:
         """The tokenizer process already checks these; a scheduler never trusts a peer."""
         n = len(req.origin_input_ids)
+        max_new = req.sampling_params.max_new_tokens
         if n == 0:
             return "the prompt is empty"
-        if n + req.sampling_params.max_new_tokens > self.context_len:
-            return (f"prompt ({n} tokens) plus max_new_tokens "
-                    f"({req.sampling_params.max_new_tokens}) exceeds the context length "
-                    f"({self.context_len})")
-        if n + req.sampling_params.max_new_tokens > self.allocator.size:
-            return (f"prompt ({n} tokens) plus max_new_tokens "
-                    f"({req.sampling_params.max_new_tokens}) can never fit in the KV pool "
-                    f"({self.allocator.size} tokens)")
+        if n + max_new > self.context_len:
+            return (f"prompt ({n} tokens) plus max_new_tokens ({max_new}) exceeds the context "
+                    f"length ({self.context_len})")
+        if n + max_new > self.allocator.size:
+            return (f"prompt ({n} tokens) plus max_new_tokens ({max_new}) can never fit in the "
+                    f"KV pool ({self.allocator.size} tokens), even alone")
         return None
 
     def abort_request(self, rid: str) -> None:
@@ -95,17 +117,31 @@ class Scheduler:
         req.abort("aborted by the client")
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
-        # A running row keeps its place in the batch until the next filter_batch;
-        # its KV is freed now, between steps, when no forward is reading it.
-        self.release_req(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        # Static batching keeps a finished row's KV as padding until the batch
+        # ends. Otherwise a running row keeps its place only until the next
+        # filter_batch, and its KV is freed now, between steps, when no forward
+        # is reading it.
+        if self.args.batching != "continuous" and self.in_running_batch(req):
+            self.reqs_by_rid.pop(req.rid, None)
+        else:
+            self.release_req(req)
         self.stream_output([req])
+
+    def in_running_batch(self, req: Req) -> bool:
+        return self.running_batch is not None and any(r is req for r in self.running_batch.reqs)
 
     # ---- choosing the next batch ------------------------------------------------------
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        # The rows just prefilled join the running batch (minus those already done).
+        if self.args.batching != "continuous":
+            return self.get_next_static_batch()
+        # The rows just prefilled join the running batch, minus those already
+        # done and the one still in a chunked prefill.
         if self.last_batch is not None and self.last_batch.forward_mode == "extend":
-            self.last_batch.filter_batch()
+            self.last_batch.filter_batch([i for i, r in enumerate(self.last_batch.reqs)
+                                          if not r.finished and r is not self.chunked_req])
             if not self.last_batch.is_empty():
                 if self.running_batch is None:
                     self.running_batch = self.last_batch
@@ -116,38 +152,174 @@ class Scheduler:
             if self.running_batch.is_empty():
                 self.running_batch = None
 
-        new_batch = self.get_new_batch_prefill()
-        if new_batch is not None:
-            return new_batch
+        decode_due = self.running_batch is not None and \
+            self.num_consecutive_prefill >= self.args.max_consecutive_prefill_batches
+        if not decode_due:
+            new_batch = self.get_new_batch_prefill()
+            if new_batch is not None:
+                # only prefills that make running rows wait count towards the bound
+                if self.running_batch is not None:
+                    self.num_consecutive_prefill += 1
+                return new_batch
+        self.num_consecutive_prefill = 0
         if self.running_batch is None:
+            if not self.waiting_queue and self.chunked_req is None:
+                self.new_token_ratio = self.init_new_token_ratio  # idle: reset
             return None
-        self.running_batch.prepare_for_decode(self.req_to_token_pool, self.allocator)
-        return self.running_batch
+        return self.update_running_batch()
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        if not self.waiting_queue:
+        if not self.waiting_queue and self.chunked_req is None:
             return None
         running = self.running_batch.reqs if self.running_batch is not None else []
         adder = PrefillAdder.for_step(
-            max_running=self.args.max_running_requests, num_running=len(running),
-            free_slots=self.allocator.available(), running=running,
+            max_running=self.args.max_running_requests, running=running,
+            free_slots=self.allocator.available(),
             max_prefill_tokens=self.args.max_prefill_tokens,
+            chunked_prefill_size=self.args.chunked_prefill_size,
             new_token_ratio=self.new_token_ratio)
+        if self.chunked_req is not None:
+            # leave every running row a slot for its next decode step
+            adder.add_chunked_req(self.chunked_req, self.allocator.available() - len(running))
+            if not adder.can_run:
+                return None
+        self.waiting_queue = order_waiting_queue(self.waiting_queue, self.args.schedule_policy)
+        admitted = 0
         for req in self.waiting_queue:
             if not adder.try_add(req):
                 break
+            admitted += 1
         if not adder.can_run:
             return None
-        for _ in adder.can_run:
+        for _ in range(admitted):
             self.waiting_queue.popleft()
-        batch = ScheduleBatch.init_new(adder.can_run)
+        if self.chunked_req is not None and adder.new_chunked_req is None:
+            logger.debug("chunked prefill of %s: last chunk", self.chunked_req.rid)
+        self.chunked_req = adder.new_chunked_req
+        return self.start_prefill(adder.can_run, len(running))
+
+    def start_prefill(self, reqs: list[Req], num_running: int) -> ScheduleBatch:
+        now = time.time()
+        for r in reqs:
+            if r.admit_time is None:
+                r.admit_time = now
+        batch = ScheduleBatch.init_new(reqs)
         batch.prepare_for_extend(self.req_to_token_pool, self.allocator)
         logger.info(
             "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
             "#running-req: %d, #queue-req: %d",
             len(batch), batch.input_ids.numel(), sum(batch.prefix_lens), self.token_usage(),
-            len(running), len(self.waiting_queue))
+            num_running, len(self.waiting_queue))
         return batch
+
+    def update_running_batch(self) -> ScheduleBatch:
+        """Make room for one more token per row (retracting if the pool is short),
+        then prepare the decode step."""
+        batch = self.running_batch
+        assert batch is not None
+        if self.allocator.available() < len(batch):
+            self.retract_decode(batch)
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
+                                       self.min_new_token_ratio)
+        batch.prepare_for_decode(self.req_to_token_pool, self.allocator)
+        return batch
+
+    def retract_decode(self, batch: ScheduleBatch) -> None:
+        """Free the KV of victims (fewest decoded tokens first, ties to the longest
+        prompt) until every remaining row can get a slot; victims go back to the
+        front of the queue with their tokens, to be recomputed when re-admitted."""
+        order = sorted(range(len(batch)), key=lambda i: (len(batch.reqs[i].output_ids),
+                                                          -len(batch.reqs[i].origin_input_ids)))
+        retracted: list[Req] = []
+        keep = set(range(len(batch)))
+        for i in order:
+            if self.allocator.available() >= len(keep):
+                break
+            if len(keep) == 1 and self.chunked_req is not None:
+                # the half-prefilled request holds the slots: it goes back instead
+                self.release_req(self.chunked_req, retracting=True)
+                self.chunked_req.num_retractions += 1
+                retracted.append(self.chunked_req)
+                self.chunked_req = None
+                if self.allocator.available() >= 1:
+                    break
+            if len(keep) == 1:  # cannot happen after validate(); never loop forever
+                req = batch.reqs[i]
+                req.abort(f"the KV pool ({self.allocator.size} tokens) cannot hold this request")
+                self.release_req(req)
+                self.stream_output([req])
+                keep.discard(i)
+                break
+            req = batch.reqs[i]
+            self.release_req(req, retracting=True)
+            req.num_retractions += 1
+            retracted.append(req)
+            keep.discard(i)
+        batch.filter_batch(sorted(keep))
+        for req in reversed(retracted):  # the first victim ends up first in the queue
+            self.waiting_queue.appendleft(req)
+        self.total_retractions += len(retracted)
+
+        old_ratio = self.new_token_ratio
+        if batch.reqs:
+            decoded = sum(len(r.output_ids) for r in batch.reqs)
+            max_new = sum(r.sampling_params.max_new_tokens for r in batch.reqs)
+            self.new_token_ratio = min(
+                1.0, (decoded + RETRACT_DECODE_STEPS * len(batch.reqs)) / max(max_new, 1))
+            self.new_token_ratio = max(self.new_token_ratio, old_ratio)
+        logger.info("KV cache pool is full. Retract requests. #retracted_reqs: %d, "
+                    "#new_token_ratio: %.4f -> %.4f", len(retracted), old_ratio,
+                    self.new_token_ratio)
+
+    def get_next_static_batch(self) -> ScheduleBatch | None:
+        """Static and dynamic batching: a batch runs, padded, until its longest row
+        finishes; nothing joins it mid-flight."""
+        batch = self.running_batch
+        if self.last_batch is not None and self.last_batch.forward_mode == "extend":
+            batch = self.running_batch = self.last_batch
+        if batch is not None:
+            if all(r.finished for r in batch.reqs):
+                for r in batch.reqs:
+                    self.release_req(r)
+                self.running_batch = None
+            else:
+                # a finished row whose padding would run past the context is dropped
+                too_long = [i for i, r in enumerate(batch.reqs)
+                            if r.finished and r.kv_len + 1 >= self.context_len]
+                if too_long:
+                    for i in too_long:
+                        self.release_req(batch.reqs[i])
+                    batch.filter_batch([i for i in range(len(batch)) if i not in too_long])
+                batch.prepare_for_decode(self.req_to_token_pool, self.allocator)
+                return batch
+        if not self.waiting_queue:
+            self.new_token_ratio = self.init_new_token_ratio
+            return None
+        if self.args.batching == "dynamic":
+            waited_ms = (time.time() - self.waiting_queue[0].arrival_time) * 1000
+            if len(self.waiting_queue) < self.args.max_running_requests and \
+                    waited_ms < self.args.batch_timeout_ms:
+                return None
+        # Every row may be padded to the longest row's length: reserve that for all.
+        reqs: list[Req] = []
+        prompt_tokens, longest = 0, 0
+        for req in self.waiting_queue:
+            if len(reqs) == self.args.max_running_requests:
+                break
+            p = prompt_tokens + len(req.origin_input_ids)
+            m = max(longest, req.sampling_params.max_new_tokens)
+            if p + (len(reqs) + 1) * m > self.allocator.available():
+                break
+            reqs.append(req)
+            prompt_tokens, longest = p, m
+        if not reqs:
+            return None
+        for _ in reqs:
+            self.waiting_queue.popleft()
+        for r in reqs:
+            r.extend_input_len = 0
+        return self.start_prefill(reqs, 0)
 
     # ---- running it -------------------------------------------------------------------
 
@@ -156,10 +328,18 @@ class Scheduler:
 
     def process_batch_result(self, batch: ScheduleBatch, result: ForwardResult) -> None:
         seq_lens = batch.seq_lens.tolist()
+        static = self.args.batching != "continuous"
         for i, (req, seq_len, token) in enumerate(zip(batch.reqs, seq_lens, result.next_token_ids)):
-            if req.finished:  # aborted while the step ran
-                continue
+            if req.finished:
+                if static and req.req_pool_idx:  # a padded row: computed, thrown away
+                    req.kv_len = seq_len
+                    self.total_row_steps += 1
+                continue  # (or aborted while the step ran)
             req.kv_len = seq_len
+            if req.kv_len < req.seq_len:  # a chunk of a longer prompt: no token yet
+                continue
+            self.total_row_steps += 1
+            self.useful_row_steps += 1
             req.output_ids.append(token)
             if req.return_logprob:
                 req.output_token_logprobs.append(result.next_token_logprobs[i])
@@ -168,7 +348,10 @@ class Scheduler:
                         list(zip(result.top_logprob_vals[i], result.top_logprob_ids[i])))
             req.check_finished(self.context_len)
             if req.finished:
-                self.release_req(req)
+                if static:  # the row stays as padding; the rid is free for reuse
+                    self.reqs_by_rid.pop(req.rid, None)
+                else:
+                    self.release_req(req)
         if batch.forward_mode == "decode":
             self.num_decode_steps += 1
             self.decode_tokens_since_log += len(batch)
@@ -176,21 +359,23 @@ class Scheduler:
                 self.log_decode_stats()
         self.stream_output(batch.reqs)
 
-    def release_req(self, req: Req) -> None:
-        """Give back a request's KV slots and table row; it leaves every queue."""
+    def release_req(self, req: Req, retracting: bool = False) -> None:
+        """Give back a request's KV slots and table row. Unless it is only being
+        retracted, it also leaves the set of live requests."""
         if req.req_pool_idx:
             table = self.req_to_token_pool.req_to_token
             self.allocator.free(table[req.req_pool_idx, :req.kv_len].long())
             self.req_to_token_pool.free(req.req_pool_idx)
             req.req_pool_idx = 0
             req.kv_len = 0
-        self.reqs_by_rid.pop(req.rid, None)
+        if not retracting:
+            self.reqs_by_rid.pop(req.rid, None)
 
     # ---- output -----------------------------------------------------------------------
 
     def stream_output(self, reqs: list[Req]) -> None:
         """Send new tokens: streaming rows every stream_interval tokens, the rest
-        when they finish."""
+        when they finish. Every request gets exactly one final row."""
         out = BatchTokenOut(rids=[], new_token_ids=[], finished_reasons=[], prompt_tokens=[],
                             completion_tokens=[], cached_tokens=[], num_retractions=[])
         for req in reqs:
@@ -212,6 +397,7 @@ class Scheduler:
             out.num_retractions.append(req.num_retractions)
             out.output_token_logprobs.append(req.output_token_logprobs[req.sent_len:])
             out.output_top_logprobs.append(req.output_top_logprobs[req.sent_len:])
+            out.queue_times.append(req.queue_time)
             req.sent_len = len(req.output_ids)
             req.finish_sent = req.finished
         if out.rids:
@@ -229,19 +415,47 @@ class Scheduler:
         return batch
 
     def is_idle(self) -> bool:
-        return not self.waiting_queue and self.running_batch is None and (
-            self.last_batch is None or self.last_batch.forward_mode != "extend")
+        return not self.waiting_queue and self.running_batch is None and \
+            self.chunked_req is None and (self.last_batch is None
+                                          or self.last_batch.forward_mode != "extend")
 
-    def event_loop(self, recv_requests: Callable[[bool], list[ToSchedulerMsg]]) -> None:
-        """`recv_requests(block)` drains the input socket; it blocks only when idle."""
+    def event_loop(self, recv_requests: Callable[[float | None], list[ToSchedulerMsg]]) -> None:
+        """`recv_requests(timeout_s)` drains the input socket, first waiting up to
+        timeout_s (None: until something comes) for a message."""
+        ran = True
         while True:
-            self.process_input_requests(recv_requests(self.is_idle()))
-            self.step()
+            if self.is_idle():
+                timeout = None
+            elif not ran:  # waiting for a dynamic batch's timeout: don't spin
+                timeout = 0.002
+            else:
+                timeout = 0.0
+            self.process_input_requests(recv_requests(timeout))
+            ran = self.step() is not None
 
     # ---- stats --------------------------------------------------------------------------
 
     def token_usage(self) -> float:
         return 1.0 - self.allocator.available() / self.allocator.size
+
+    def utilisation(self) -> float:
+        """Useful row-steps over computed row-steps: 1.0 unless padded rows ran."""
+        return self.useful_row_steps / self.total_row_steps if self.total_row_steps else 1.0
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "batching": self.args.batching,
+            "num_running_reqs": len(self.running_batch) if self.running_batch else 0,
+            "num_waiting_reqs": len(self.waiting_queue),
+            "free_kv_slots": self.allocator.available(),
+            "total_kv_slots": self.allocator.size,
+            "token_usage": self.token_usage(),
+            "new_token_ratio": self.new_token_ratio,
+            "total_retractions": self.total_retractions,
+            "batch_utilisation": self.utilisation(),
+            "useful_row_steps": self.useful_row_steps,
+            "total_row_steps": self.total_row_steps,
+        }
 
     def log_decode_stats(self) -> None:
         now = time.perf_counter()
@@ -249,8 +463,8 @@ class Scheduler:
         num_tokens = self.allocator.size - self.allocator.available()
         logger.info(
             "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
-            "gen throughput (token/s): %.2f, #queue-req: %d",
+            "gen throughput (token/s): %.2f, #queue-req: %d, batch utilisation: %.3f",
             len(self.running_batch) if self.running_batch else 0, num_tokens,
-            self.token_usage(), throughput, len(self.waiting_queue))
+            self.token_usage(), throughput, len(self.waiting_queue), self.utilisation())
         self.last_decode_log_time = now
         self.decode_tokens_since_log = 0

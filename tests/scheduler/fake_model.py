@@ -17,13 +17,17 @@ def fake_model_info(max_total_tokens: int = 4096, context_len: int = 512) -> Mod
                      kv_cache_bytes=0)
 
 
-def next_token(last: int) -> int:
+def next_token(last: int, eos_one_in: int = 0) -> int:
+    """Never EOS by itself unless eos_one_in > 0: then EOS after about one token in that many."""
     nxt = (last * 7 + 3) % VOCAB
-    return nxt if nxt != EOS else 5  # never emits EOS by itself
+    if eos_one_in and (last * 2654435761) % 1009 % eos_one_in == 0:
+        return EOS
+    return nxt if nxt != EOS else 5
 
 
 class FakeModel:
-    def __init__(self) -> None:
+    def __init__(self, eos_one_in: int = 0) -> None:
+        self.eos_one_in = eos_one_in
         self.slot_owner: dict[int, int] = {}  # slot -> req_pool_idx
         self.batches: list[ForwardBatch] = []
 
@@ -51,4 +55,5 @@ class FakeModel:
         for n in counts:
             start += n
             last_positions.append(start - 1)
-        return ForwardResult(next_token_ids=[next_token(batch.input_ids[i]) for i in last_positions])
+        return ForwardResult(next_token_ids=[next_token(batch.input_ids[i], self.eos_one_in)
+                                             for i in last_positions])

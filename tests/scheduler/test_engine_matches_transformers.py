@@ -18,7 +18,8 @@ from tests.helpers import greedy_parting, hf_greedy_with_top, load_hf
 class Engine:
     """Scheduler + ModelRunner wired directly; outputs collected per rid."""
 
-    def __init__(self, model_path: str, **args) -> None:
+    def __init__(self, model_path: str, ignore_eos: bool = True, **args) -> None:
+        self.ignore_eos = ignore_eos
         server_args = ServerArgs(model_path=model_path, **args)
         self.runner = ModelRunner(server_args)
         self.outputs: list[BatchTokenOut] = []
@@ -27,7 +28,8 @@ class Engine:
         self.reqs: dict = {}
 
     def submit(self, rid: str, prompt: list[int], max_new_tokens: int) -> None:
-        sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+        sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                            ignore_eos=self.ignore_eos)
         self.sched.process_input_requests([TokenizedGenerateReq(
             rid=rid, input_ids=prompt, sampling_params=sp, return_logprob=True, top_logprobs_num=5)])
         self.reqs[rid] = self.sched.reqs_by_rid[rid]

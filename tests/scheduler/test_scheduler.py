@@ -8,17 +8,19 @@ from tests.scheduler.fake_model import EOS, FakeModel, fake_model_info, next_tok
 
 class Harness:
     def __init__(self, max_running: int = 4, max_total_tokens: int = 4096,
-                 max_prefill_tokens: int = 16384, context_len: int = 512) -> None:
+                 max_prefill_tokens: int = 16384, context_len: int = 512, eos_one_in: int = 0,
+                 **args) -> None:
         args = ServerArgs(model_path="fake", max_running_requests=max_running,
-                          max_prefill_tokens=max_prefill_tokens)
-        self.model = FakeModel()
+                          max_prefill_tokens=max_prefill_tokens, **args)
+        self.model = FakeModel(eos_one_in)
         self.outputs: list[BatchTokenOut] = []
         self.sched = Scheduler(args, fake_model_info(max_total_tokens, context_len), self.model,
                                self.outputs.append)
 
     def submit(self, rid: str, n_prompt: int, max_new: int, stream: bool = False,
-               stop_ids: list[int] | None = None) -> None:
-        sp = SamplingParams(max_new_tokens=max_new, temperature=0.0, stop_token_ids=stop_ids or [])
+               stop_ids: list[int] | None = None, ignore_eos: bool = False) -> None:
+        sp = SamplingParams(max_new_tokens=max_new, temperature=0.0, stop_token_ids=stop_ids or [],
+                            ignore_eos=ignore_eos)
         self.sched.process_input_requests([TokenizedGenerateReq(
             rid=rid, input_ids=[(i * 13 + len(rid)) % 900 + 10 for i in range(n_prompt)],
             sampling_params=sp, stream=stream)])
