@@ -3,7 +3,9 @@
 A backend does two things: `init_forward_metadata` once per step (index
 tensors built from the ForwardBatch and `req_to_token`), and `forward` in
 every layer (store the new K/V into their slots, then attend). The model sees
-only this interface, so a Triton backend can replace the torch one.
+only this interface. Two backends: `torch` (any device; the CPU one) and
+`triton` (kernels/ on a CUDA device; on a CPU only under TRITON_INTERPRET=1,
+which the tests use). Triton is imported only when that backend is built.
 
 Layout of the common metadata (B rows, T new tokens):
   qo_indptr  [B+1]  row i's new tokens are q[qo_indptr[i]:qo_indptr[i+1]]
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -87,8 +91,45 @@ class TorchAttnMetadata(AttentionMetadata):
     max_len: int = 0
 
 
+class GatherWorkspace:
+    """Reused destination of the decode step's page gathers.
+
+    A fresh [B * max_len, kv_heads, D] tensor per layer is a new large
+    allocation each time, and on CPU its first touch page-faults: measured
+    about 4x slower than `index_select(out=)` into memory that is already
+    mapped (bench/RESULTS.md). So one K and one V buffer live as long as the
+    backend, grown when a step needs more; every layer and every step writes
+    into them.
+    """
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def get(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # an inference-mode tensor cannot be written outside inference mode
+        stale = self.k is not None and self.k.is_inference() and not torch.is_inference_mode_enabled()
+        if self.k is None or stale or self.k.shape[0] < rows or self.k.dtype != like.dtype:
+            shape = (rows, *like.shape[1:])
+            self.k = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self.v = torch.empty(shape, dtype=like.dtype, device=like.device)
+        assert self.v is not None
+        return self.k[:rows], self.v[:rows]
+
+
 class TorchAttnBackend(AttentionBackend):
-    """CPU (or any device) attention with torch ops only."""
+    """CPU (or any device) attention with torch ops only.
+
+    Decode has no per-row loop: the step's slot matrix and mask are built once
+    (init_forward_metadata), each layer gathers its pages into the reused
+    workspace and runs one padded, masked SDPA over the whole batch. Gathering
+    every layer's pages once per step instead would move the same bytes (each
+    layer's pages are different) and hold num_layers times the workspace.
+    """
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float) -> None:
+        super().__init__(kv_pool, req_to_token, scale)
+        self.workspace = GatherWorkspace()
 
     def init_forward_metadata(self, batch: ForwardBatch, out_cache_loc: torch.Tensor) -> TorchAttnMetadata:
         device = out_cache_loc.device
@@ -141,8 +182,11 @@ class TorchAttnBackend(AttentionBackend):
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         num_kv_heads, head_dim = k_buf.shape[1], k_buf.shape[2]
         # [B, max_len, kv_heads, D] -> [B, kv_heads, max_len, D]
-        k = k_buf.index_select(0, meta.decode_slots).view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_buf.index_select(0, meta.decode_slots).view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        k_ws, v_ws = self.workspace.get(bs * max_len, k_buf)
+        torch.index_select(k_buf, 0, meta.decode_slots, out=k_ws)
+        torch.index_select(v_buf, 0, meta.decode_slots, out=v_ws)
+        k = k_ws.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_ws.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=meta.decode_mask,
                                              scale=self.scale, enable_gqa=True)
         return out[:, :, 0, :]
@@ -164,8 +208,85 @@ class TorchAttnBackend(AttentionBackend):
         return out
 
 
+@dataclass
+class TritonAttnMetadata(AttentionMetadata):
+    # extend: the longest row's new tokens (sizes the grid), and each row's
+    # prefix only (the kernel reads the new tokens from k/v, not the pool)
+    max_extend_len: int = 0
+    prefix_indptr: torch.Tensor | None = None
+    prefix_indices: torch.Tensor | None = None
+    # decode: split-KV count and the stage-1 scratch, allocated by the first
+    # layer of the step (the query head count is known only there), then reused
+    num_kv_splits: int = 1
+    decode_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class TritonAttnBackend(AttentionBackend):
+    """The kernels/ Triton kernels: KV store, on-device kv_indices build,
+    split-KV GQA decode and prefix-aware extend attention."""
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float) -> None:
+        super().__init__(kv_pool, req_to_token, scale)
+        device = kv_pool.k_buffer[0].device
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--attention-backend triton needs a CUDA device "
+                             "(or TRITON_INTERPRET=1, the slow interpreter the tests use)")
+        # imported here, not at module level: only this backend needs triton
+        from kernels import decode_attention, extend_attention, kv_cache_ops
+        self.decode_kernels = decode_attention
+        self.extend_kernels = extend_attention
+        self.kv_ops = kv_cache_ops
+
+    def init_forward_metadata(self, batch: ForwardBatch, out_cache_loc: torch.Tensor) -> TritonAttnMetadata:
+        device = out_cache_loc.device
+        table = self.req_to_token.table
+        bs = len(batch.seq_lens)
+        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=device)
+        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=device)
+        kv_indptr = self.kv_ops.build_kv_indptr(seq_lens)
+        kv_indices = self.kv_ops.build_kv_indices(table, rows, kv_indptr, sum(batch.seq_lens))
+        if batch.forward_mode == "decode":
+            num_kv_heads = self.kv_pool.k_buffer[0].shape[1]
+            splits = self.decode_kernels.choose_num_kv_splits(bs, num_kv_heads, max(batch.seq_lens), device)
+            return TritonAttnMetadata(
+                forward_mode="decode", batch_size=bs,
+                qo_indptr=torch.arange(bs + 1, dtype=torch.int64, device=device),
+                kv_indptr=kv_indptr, kv_indices=kv_indices, seq_lens=seq_lens,
+                prefix_lens=seq_lens - 1, out_cache_loc=out_cache_loc, num_kv_splits=splits)
+
+        prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
+        prefix_indptr = self.kv_ops.build_kv_indptr(prefix_lens)
+        prefix_indices = self.kv_ops.build_kv_indices(table, rows, prefix_indptr, sum(batch.prefix_lens))
+        return TritonAttnMetadata(
+            forward_mode="extend", batch_size=bs,
+            qo_indptr=self.kv_ops.build_kv_indptr(seq_lens - prefix_lens),
+            kv_indptr=kv_indptr, kv_indices=kv_indices, seq_lens=seq_lens, prefix_lens=prefix_lens,
+            out_cache_loc=out_cache_loc,
+            max_extend_len=max(s - p for s, p in zip(batch.seq_lens, batch.prefix_lens)),
+            prefix_indptr=prefix_indptr, prefix_indices=prefix_indices)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                meta: TritonAttnMetadata) -> torch.Tensor:
+        k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+        self.kv_ops.store_kv(k_buf, v_buf, meta.out_cache_loc, k, v)
+        o = q.new_empty(q.shape[0], q.shape[1], v_buf.shape[2])
+        if meta.is_decode:
+            if meta.decode_scratch is None:
+                meta.decode_scratch = self.decode_kernels.decode_scratch(
+                    meta.batch_size, q.shape[1], v_buf.shape[2], meta.num_kv_splits, q.device)
+            return self.decode_kernels.decode_attention_fwd(
+                q, k_buf, v_buf, o, meta.kv_indptr, meta.kv_indices, self.scale,
+                meta.num_kv_splits, meta.decode_scratch)
+        assert meta.prefix_indptr is not None and meta.prefix_indices is not None
+        return self.extend_kernels.extend_attention_fwd(
+            q, k, v, o, k_buf, v_buf, meta.qo_indptr, meta.prefix_indptr, meta.prefix_indices,
+            meta.max_extend_len, self.scale)
+
+
 def create_attention_backend(name: str, kv_pool: KVPool, req_to_token: ReqToTokenTable,
                              scale: float) -> AttentionBackend:
     if name == "torch":
         return TorchAttnBackend(kv_pool, req_to_token, scale)
+    if name == "triton":
+        return TritonAttnBackend(kv_pool, req_to_token, scale)
     raise ValueError(f"attention backend {name!r} is not available")

@@ -1,149 +1,52 @@
-"""The HTTP front end (aiohttp): SGLang's native `/generate` and `/health`.
+"""The HTTP front end (aiohttp): the app, its middlewares and its routes.
 
-Each request is tokenized and validated here, sent to the scheduler, and its
-handler then sleeps on its `ReqState` until output arrives. A handler that
-ends early for any reason (client gone: aiohttp cancels it; an error) aborts
-its request in `finally`, so the scheduler frees its KV at once.
+Routes live in three modules: `native_api` (SGLang's `/generate`),
+`openai_api` (`/v1/...`) and `ops_api` (health, info, aborts). Each request is
+tokenized and validated in its handler, sent to the scheduler, and the handler
+then sleeps until output arrives. A handler that ends early for any reason
+(client gone: aiohttp cancels it; an error) aborts its requests in `finally`,
+so the scheduler frees their KV at once.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
-import msgspec
 from aiohttp import web
 
-from common.messages import IpcPaths, ModelInfo, TokenizedGenerateReq
+from common.messages import IpcPaths, ModelInfo
 from common.server_args import ServerArgs
-from tokenizer_proc.detokenizer import IncrementalDetokenizer
-from tokenizer_proc.manager import DuplicateRidError, ReqState, TokenizerManager
-from tokenizer_proc.protocol import BadRequestError, GenerateInput, parse_generate_request, parse_json_object
+from tokenizer_proc import native_api, openai_api, ops_api
+from tokenizer_proc.app_keys import HEALTH_GENERATE_TIMEOUT, MANAGER, MODEL_INFO, SERVER_ARGS, TOKENIZER
+from tokenizer_proc.manager import TokenizerManager
+from tokenizer_proc.middlewares import API_KEY, MAX_BODY, error_middleware, expect_handler, gate_middleware
 from tokenizer_proc.tokenizer import Tokenizer
+
+__all__ = ["MANAGER", "build_app", "start_http"]
 
 logger = logging.getLogger(__name__)
 
-MANAGER = web.AppKey("manager", TokenizerManager)
-TOKENIZER = web.AppKey("tokenizer", Tokenizer)
-MODEL_INFO = web.AppKey("model_info", ModelInfo)
-
-
-def json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
-
-
-def error_response(message: str, status: int, err_type: str) -> web.Response:
-    return json_response({"error": {"message": message, "type": err_type, "code": status}}, status)
-
-
-@web.middleware
-async def error_middleware(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """Client errors become 400s; anything else is logged and becomes a 500
-    for this request alone."""
-    try:
-        return await handler(request)
-    except BadRequestError as e:
-        return error_response(str(e), 400, "BadRequestError")
-    except web.HTTPException:
-        raise
-    except Exception as e:
-        logger.exception("error while handling %s %s", request.method, request.path)
-        return error_response(f"internal error: {e}", 500, "InternalServerError")
-
-
-async def health(request: web.Request) -> web.Response:
-    return json_response({})
-
-
-async def generate(request: web.Request) -> web.StreamResponse:
-    manager = request.app[MANAGER]
-    tokenizer = request.app[TOKENIZER]
-    info = request.app[MODEL_INFO]
-    arrival = time.perf_counter()  # e2e latency includes tokenizing
-    body = parse_json_object(await request.read())
-    inp = parse_generate_request(body, tokenizer, info.context_len, info.vocab_size)
-    state = submit(manager, inp, arrival)
-    try:
-        if inp.stream:
-            return await stream_response(request, state, tokenizer, inp)
-        while not state.finished:
-            await state.event.wait()
-            state.event.clear()
-        text = tokenizer.decode(state.text_ids(), inp.sampling_params.skip_special_tokens)
-        return json_response(output_json(state, text))
-    finally:
-        # Still running: the client went away (cancelled) or something failed.
-        manager.abort(state)
-
-
-def submit(manager: TokenizerManager, inp: GenerateInput, arrival: float) -> ReqState:
-    req = TokenizedGenerateReq(
-        rid=inp.rid or uuid.uuid4().hex,
-        input_ids=inp.input_ids,
-        sampling_params=inp.sampling_params,
-        stream=inp.stream,
-        arrival_time=time.time(),
-    )
-    try:
-        return manager.submit(req, arrival)
-    except DuplicateRidError as e:
-        raise BadRequestError(str(e)) from None
-
-
-def output_json(state: ReqState, text: str) -> dict[str, Any]:
-    return {"text": text, "output_ids": list(state.output_ids), "meta_info": state.meta_info()}
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
-
-
-async def stream_response(
-    request: web.Request, state: ReqState, tokenizer: Tokenizer, inp: GenerateInput
-) -> web.StreamResponse:
-    """Server-sent events, one per update, each with the cumulative text."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    detok = IncrementalDetokenizer(tokenizer, inp.sampling_params.skip_special_tokens)
-    fed = 0
-    try:
-        while True:
-            await state.event.wait()
-            state.event.clear()
-            done = state.finished
-            ids = state.text_ids() if done else state.output_ids
-            detok.add(ids[fed:])
-            fed = len(ids)
-            if done:
-                detok.flush()
-            await resp.write(sse(output_json(state, detok.text)))
-            if done:
-                break
-    except Exception as e:
-        if request.transport is None or request.transport.is_closing():
-            logger.info("client of %s went away", state.rid)
-            return resp  # nothing to tell it; the caller aborts the request
-        # Headers are already sent, so the error goes into the stream.
-        logger.exception("error while streaming %s", state.rid)
-        await resp.write(sse({"error": {"message": f"internal error: {e}",
-                                        "type": "InternalServerError", "code": 500}}))
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
+DEFAULT_HEALTH_GENERATE_TIMEOUT = 20.0  # seconds
 
 
 def build_app(
-    server_args: ServerArgs, model_info: ModelInfo, ipc: IpcPaths, tokenizer: Tokenizer
+    server_args: ServerArgs, model_info: ModelInfo, ipc: IpcPaths, tokenizer: Tokenizer,
+    health_generate_timeout: float = DEFAULT_HEALTH_GENERATE_TIMEOUT,
 ) -> web.Application:
     """The app, ready to run; its startup hook binds the ZMQ sockets."""
-    app = web.Application(middlewares=[error_middleware])
+    # The error middleware is outermost so the gate's errors get the error shape.
+    # client_max_size backs up our own cap (`read_body`) for any handler that
+    # would call request.read() itself.
+    app = web.Application(middlewares=[error_middleware, gate_middleware],
+                          client_max_size=server_args.max_request_bytes)
+    app[API_KEY] = server_args.api_key
     app[TOKENIZER] = tokenizer
     app[MODEL_INFO] = model_info
+    app[SERVER_ARGS] = server_args
+    app[MAX_BODY] = server_args.max_request_bytes
+    app[HEALTH_GENERATE_TIMEOUT] = health_generate_timeout
+    app[ops_api.SCHEDULER_STATE] = ops_api.no_scheduler_state
 
     async def scheduler_link(app: web.Application) -> AsyncIterator[None]:
         manager = TokenizerManager(ipc)
@@ -157,8 +60,19 @@ def build_app(
 
     app.cleanup_ctx.append(scheduler_link)
     app.on_shutdown.append(finish_in_flight)  # runs before waiting for handlers
-    app.router.add_get("/health", health)
-    app.router.add_post("/generate", generate)
+
+    r = app.router
+    for path, handler in (("/generate", native_api.generate),
+                          ("/v1/completions", openai_api.completions),
+                          ("/v1/chat/completions", openai_api.chat_completions),
+                          ("/abort_request", ops_api.abort_request)):
+        r.add_post(path, handler, expect_handler=expect_handler)
+    r.add_get("/v1/models", openai_api.list_models)
+    r.add_get("/v1/models/{model}", openai_api.retrieve_model)
+    r.add_get("/health", ops_api.health)
+    r.add_get("/health_generate", ops_api.health_generate)
+    r.add_get("/get_model_info", ops_api.get_model_info)
+    r.add_get("/get_server_info", ops_api.get_server_info)
     return app
 
 

@@ -5,13 +5,15 @@ Requests go out over a PUSH socket; one background task reads every
 `ReqState`, waking the HTTP handler that waits on it. A request stays
 registered until the scheduler sends its final row (finished or aborted), so
 a rid is never reused while the scheduler still holds it.
+
+Several requests may share one wake-up event: an HTTP request that fans out
+(n samples, a list of prompts) then sleeps on one event for all of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ReqState:
+    """What the scheduler sent for one request, as it sent it. What the client
+    sees (text, stop strings cut) is `request_output.RequestOutput`."""
+
     rid: str
     prompt_tokens: int
     arrival: float  # time.perf_counter() when the HTTP request came in
@@ -35,31 +40,18 @@ class ReqState:
     cached_tokens: int = 0
     num_retractions: int = 0
     abort_sent: bool = False
+    # The HTTP request this one belongs to (its id), when it fanned out into
+    # several; /abort_request with that id aborts them all.
+    group: str | None = None
+    # One entry per output token, filled when the request asked for logprobs.
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     # Set whenever new output arrives; the handler clears it after reading.
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    def text_ids(self) -> list[int]:
-        """Output ids that make up the text: a matched stop token is not text."""
-        reason = self.finish_reason
-        if (reason and reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
-                and self.output_ids and self.output_ids[-1] == reason["matched"]):
-            return self.output_ids[:-1]
-        return self.output_ids
-
-    def meta_info(self) -> dict[str, Any]:
-        return {
-            "id": self.rid,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-            "num_retractions": self.num_retractions,
-            "finish_reason": self.finish_reason,
-            "e2e_latency": time.perf_counter() - self.arrival,
-        }
 
 
 class DuplicateRidError(Exception):
@@ -91,11 +83,14 @@ class TokenizerManager:
         self.ctx.term()
         self.actx.term()
 
-    def submit(self, req: TokenizedGenerateReq, arrival: float) -> ReqState:
-        """Registers and sends a request; `arrival` is its perf_counter() time."""
+    def submit(self, req: TokenizedGenerateReq, arrival: float, event: asyncio.Event | None = None,
+               group: str | None = None) -> ReqState:
+        """Registers and sends a request; `arrival` is its perf_counter() time;
+        `event` (optional) is shared with other requests of the same client."""
         if req.rid in self.states:
             raise DuplicateRidError(f"a request with rid {req.rid!r} is already running")
-        state = ReqState(rid=req.rid, prompt_tokens=len(req.input_ids), arrival=arrival)
+        state = ReqState(rid=req.rid, prompt_tokens=len(req.input_ids), arrival=arrival,
+                         event=event or asyncio.Event(), group=group)
         self.states[req.rid] = state
         try:
             self.to_scheduler.send(req)
@@ -112,6 +107,25 @@ class TokenizerManager:
         state.abort_sent = True
         logger.info("abort request %s", state.rid)
         self.to_scheduler.send(AbortReq(rid=state.rid))
+
+    def abort_rid(self, rid: str) -> list[str]:
+        """Aborts the request `rid`, or every request of the group `rid`;
+        returns the rids aborted."""
+        hits = [s for s in self.states.values() if rid in (s.rid, s.group)]
+        for state in hits:
+            self.abort(state)
+        return [s.rid for s in hits]
+
+    def abort_all(self) -> list[str]:
+        states = list(self.states.values())
+        for state in states:
+            self.abort(state)
+        return [s.rid for s in states]
+
+    def forget(self, state: ReqState) -> None:
+        """Stops tracking a request the scheduler may never answer (a health
+        check that timed out); a late row for it is then dropped."""
+        self.states.pop(state.rid, None)
 
     def finish_all(self, message: str) -> None:
         """Ends every request in flight at once (server shutdown: the scheduler
@@ -137,6 +151,10 @@ class TokenizerManager:
             if state is None:
                 continue  # not ours any more (should not happen)
             state.output_ids.extend(out.new_token_ids[i])
+            if i < len(out.output_token_logprobs):
+                state.token_logprobs.extend(out.output_token_logprobs[i])
+            if i < len(out.output_top_logprobs):
+                state.top_logprobs.extend(out.output_top_logprobs[i])
             state.prompt_tokens = out.prompt_tokens[i]
             state.completion_tokens = out.completion_tokens[i]
             state.cached_tokens = out.cached_tokens[i]

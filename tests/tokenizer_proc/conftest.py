@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.tokenizer_proc.samples import CHATML, CORPUS
+from tests.tokenizer_proc.server_harness import Server
+from tokenizer_proc.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +51,12 @@ def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML}))
     return folder
+
+
+@pytest.fixture(scope="module")
+def server(sp_model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The HTTP app on a real port with a fake scheduler behind it, one per test module."""
+    srv = Server(load_tokenizer(str(sp_model_file)), tmp_path_factory.mktemp("ipc"),
+                 health_generate_timeout=0.5)
+    yield srv
+    srv.stop()

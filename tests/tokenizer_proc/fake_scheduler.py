@@ -6,6 +6,13 @@ The rid picks the behaviour:
   "hang..."  sends one chunk, then waits for an AbortReq and answers it;
   "slow..."  like the default, with longer pauses between chunks;
   otherwise  the script (cut to max_new_tokens) then EOS, in chunks of 3.
+An abort is answered by a final abort row at the next chunk, unless the
+request already finished (as the real scheduler does). With `silent` set, new
+requests get no answer at all (a stuck engine); with `hold` set, every new
+request behaves like a "hang..." one (for routes whose rids the server picks).
+
+Logprobs, when asked for, are made up but checkable: token t has logprob
+-t/1000, and its top-n list is (t, t+1, ...) with logprobs -(t+j)/1000.
 """
 
 from __future__ import annotations
@@ -20,14 +27,19 @@ from common.messages import AbortReq, BatchTokenOut, IpcPaths, ToSchedulerMsg, T
 
 
 class FakeScheduler:
-    def __init__(self, ipc: IpcPaths, script: list[int], eos: int) -> None:
-        self.script, self.eos = script, eos
+    def __init__(self, ipc: IpcPaths, script: list[int], eos: int, vocab_size: int = 1 << 30) -> None:
+        self.script, self.eos, self.vocab_size = script, eos, vocab_size
+        self.silent = False
+        self.hold = False
         self.received: list[ToSchedulerMsg] = []
         self._aborted: dict[str, asyncio.Event] = {}
         self.ctx = zmq.asyncio.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind(ipc.scheduler_input)
         self.push = self.ctx.socket(zmq.PUSH)
+        # It connects before the app binds; retry fast, or the first rows wait
+        # out ZMQ's default 100 ms reconnect interval and arrive all at once.
+        self.push.setsockopt(zmq.RECONNECT_IVL, 5)
         self.push.connect(ipc.tokenizer_input)
         self._decoder = msgspec.msgpack.Decoder(ToSchedulerMsg)
         self._encoder = msgspec.msgpack.Encoder()
@@ -44,6 +56,8 @@ class FakeScheduler:
             msg = self._decoder.decode(await self.pull.recv())
             self.received.append(msg)
             if isinstance(msg, TokenizedGenerateReq):
+                if self.silent:
+                    continue
                 self._aborted[msg.rid] = asyncio.Event()
                 task = asyncio.create_task(self._serve(msg))
                 self._tasks.add(task)
@@ -53,10 +67,14 @@ class FakeScheduler:
 
     async def _send(self, req: TokenizedGenerateReq, new: list[int], done: int,
                     reason: dict | None) -> None:
+        lps = [-t / 1000 for t in new] if req.return_logprob else []
+        tops = ([[(-((t + j) % self.vocab_size) / 1000, (t + j) % self.vocab_size)
+                  for j in range(req.top_logprobs_num)] for t in new] if req.return_logprob else [])
         out = BatchTokenOut(
             rids=[req.rid], new_token_ids=[new], finished_reasons=[reason],
             prompt_tokens=[len(req.input_ids)], completion_tokens=[done],
-            cached_tokens=[0], num_retractions=[0])
+            cached_tokens=[0], num_retractions=[0],
+            output_token_logprobs=[lps], output_top_logprobs=[tops])
         await self.push.send(self._encoder.encode(out))
 
     async def _serve(self, req: TokenizedGenerateReq) -> None:
@@ -65,7 +83,7 @@ class FakeScheduler:
         tokens = self.script[:n] if n <= len(self.script) else self.script + [self.eos]
         final = ({"type": "length", "length": n} if n <= len(self.script)
                  else {"type": "stop", "matched": self.eos})
-        if req.rid.startswith("hang"):
+        if req.rid.startswith("hang") or self.hold:
             await self._send(req, tokens[:3], 3, None)
             await aborted.wait()
             await self._send(req, [], 3, {"type": "abort", "message": "aborted by client"})

@@ -3,117 +3,17 @@ behind it (both on one uvloop in a background thread), plain HTTP clients."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import http.client
 import json
 import re
-import socket
-import threading
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import uvloop
 
-from common.messages import IpcPaths, ModelInfo
-from common.server_args import ServerArgs
-from tests.tokenizer_proc.fake_scheduler import FakeScheduler
 from tests.tokenizer_proc.samples import TEXT
-from tokenizer_proc.http_server import MANAGER, build_app, start_http
-from tokenizer_proc.tokenizer import Tokenizer, load_tokenizer
-
-CONTEXT_LEN = 256
-
-
-class Server:
-    def __init__(self, tokenizer: Tokenizer, ipc_dir: Path) -> None:
-        self.tokenizer = tokenizer
-        self.ipc = IpcPaths.in_dir(str(ipc_dir))
-        self.eos = tokenizer.eos_token_ids[0]
-        self.script = tokenizer.encode(TEXT)[1:]  # what the "model" generates (no BOS)
-        self.info = ModelInfo(
-            model_path="", tokenizer_path="", served_model_name="test", context_len=CONTEXT_LEN,
-            max_total_tokens=4096, vocab_size=tokenizer.vocab_size, eos_token_ids=[self.eos],
-            dtype="float32", device="cpu", kv_cache_bytes=0)
-        self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.call(self._start())
-
-    def call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
-
-    async def _start(self) -> None:
-        self.fake = FakeScheduler(self.ipc, self.script, self.eos)
-        self.fake_task = asyncio.create_task(self.fake.run())
-        self.app = build_app(ServerArgs(model_path="unused"), self.info, self.ipc, self.tokenizer)
-        self.runner = await start_http(self.app, "127.0.0.1", 0)
-        self.port: int = self.runner.addresses[0][1]
-
-    async def _stop(self) -> None:
-        await self.runner.cleanup()
-        self.fake_task.cancel()
-        self.fake.close()
-
-    def stop(self) -> None:
-        self.call(self._stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-
-    def in_flight(self) -> set[str]:
-        return set(self.app[MANAGER].states)
-
-
-@pytest.fixture(scope="module")
-def server(sp_model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = Server(load_tokenizer(str(sp_model_file)), tmp_path_factory.mktemp("ipc"))
-    yield srv
-    srv.stop()
-
-
-def post(server: Server, body: Any, path: str = "/generate") -> tuple[int, str, bytes]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-    conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    out = resp.status, resp.getheader("Content-Type", ""), resp.read()
-    conn.close()
-    return out
-
-
-def sse_events(body: bytes) -> list[Any]:
-    assert body.endswith(b"data: [DONE]\n\n")
-    chunks = body.split(b"\n\n")
-    assert chunks[-1] == b"" and all(c.startswith(b"data: ") for c in chunks[:-1])
-    return [json.loads(c[len(b"data: "):]) for c in chunks[:-2]]
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
-def open_raw(server: Server, body: dict[str, Any]) -> socket.socket:
-    """Sends a request on a bare socket, so the test can hang up mid-way."""
-    data = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
-    return sock
-
-
-def read_until(sock: socket.socket, marker: bytes) -> bytes:
-    buf = b""
-    while marker not in buf:
-        chunk = sock.recv(4096)
-        assert chunk, "connection closed early"
-        buf += chunk
-    return buf
+from tests.tokenizer_proc.server_harness import (CONTEXT_LEN, Server, open_raw, post, read_until,
+                                                 sse_events, wait_until)
 
 
 META_KEYS = {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "num_retractions",
@@ -217,8 +117,22 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
     ("min_p above 1", {"text": "hi", "sampling_params": {"min_p": 2}}, "min_p"),
     ("unknown sampling key", {"text": "hi", "sampling_params": {"frobnicate": 1}}, "frobnicate"),
     ("unknown top-level key", {"text": "hi", "sampling_param": {}}, "sampling_param"),
-    ("batched text", {"text": ["a", "b"]}, "not supported"),
-    ("logprobs", {"text": "hi", "return_logprob": True}, "return_logprob"),
+    ("streamed list", {"text": ["a", "b"], "stream": True}, "streaming"),
+    ("streamed n > 1", {"text": "a", "stream": True, "sampling_params": {"n": 2}}, "streaming"),
+    ("empty prompt list", {"text": []}, "empty"),
+    ("empty text in list", {"text": ["a", ""]}, "empty"),
+    ("text list of ints", {"text": ["a", 5]}, "text must be"),
+    ("rid list wrong length", {"text": ["a", "b"], "rid": ["x"]}, "one per prompt"),
+    ("rid list for one prompt", {"text": "a", "rid": ["x"]}, "rid"),
+    ("n 0", {"text": "hi", "sampling_params": {"n": 0}}, "sampling_params.n"),
+    ("n str", {"text": "hi", "sampling_params": {"n": "2"}}, "sampling_params.n"),
+    ("stop empty", {"text": "hi", "sampling_params": {"stop": ""}}, "sampling_params.stop"),
+    ("stop not str", {"text": "hi", "sampling_params": {"stop": [1]}}, "sampling_params.stop"),
+    ("top_logprobs_num negative", {"text": "hi", "return_logprob": True, "top_logprobs_num": -1},
+     "top_logprobs_num"),
+    ("input logprobs", {"text": "hi", "return_logprob": True, "logprob_start_len": 0},
+     "logprob_start_len"),
+    ("return_logprob str", {"text": "hi", "return_logprob": "yes"}, "return_logprob"),
 ]
 
 

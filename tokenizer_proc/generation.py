@@ -1,0 +1,95 @@
+"""One client request's scheduler requests, handled together.
+
+A client request may fan out (n samples, a list of prompts). Its requests are
+submitted together (all or none), share one wake-up event, finish each on its
+own, and are aborted together when the client goes away: the handler calls
+`abort()` in a `finally`, which touches only requests still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from common.messages import TokenizedGenerateReq
+from tokenizer_proc.errors import BadRequestError
+from tokenizer_proc.manager import DuplicateRidError, ReqState, TokenizerManager
+from tokenizer_proc.request_output import RequestOutput
+from tokenizer_proc.request_spec import RequestSpec
+from tokenizer_proc.tokenizer import Tokenizer
+
+
+class Generation:
+    def __init__(self, manager: TokenizerManager, tokenizer: Tokenizer, specs: list[RequestSpec],
+                 stream: bool, arrival: float) -> None:
+        self.manager = manager
+        self.tokenizer = tokenizer
+        self.specs = specs
+        self.stream = stream
+        self.arrival = arrival  # perf_counter() when the HTTP request came in
+        self.event = asyncio.Event()
+        self.outputs: list[RequestOutput] = []
+
+    def submit(self) -> None:
+        """Sends every request, or none (a taken rid is a 400)."""
+        rids = [s.rid for s in self.specs]
+        taken = next((r for r in rids if r in self.manager.states), None)
+        if taken is None and len(set(rids)) < len(rids):
+            taken = next(r for r in rids if rids.count(r) > 1)
+        if taken is not None:
+            raise BadRequestError(f"a request with rid {taken!r} is already running")
+        try:
+            for spec in self.specs:
+                self.outputs.append(RequestOutput(self._submit_one(spec), spec, self.tokenizer))
+        except BaseException:
+            self.abort()
+            raise
+
+    def _submit_one(self, spec: RequestSpec) -> ReqState:
+        req = TokenizedGenerateReq(
+            rid=spec.rid,
+            input_ids=spec.input_ids,
+            sampling_params=spec.sampling_params,
+            # Rows as they come when stop strings are to be matched here, so a
+            # match can end the request early even when the client does not stream.
+            stream=self.stream or bool(spec.stop),
+            arrival_time=time.time(),
+            return_logprob=spec.return_logprob,
+            top_logprobs_num=spec.top_logprobs_num if spec.return_logprob else 0,
+        )
+        try:
+            return self.manager.submit(req, self.arrival, event=self.event, group=spec.group)
+        except DuplicateRidError as e:
+            raise BadRequestError(str(e)) from None
+
+    @property
+    def done(self) -> bool:
+        return all(o.done for o in self.outputs)
+
+    async def updates(self) -> AsyncIterator[list[int]]:
+        """Yields, after each wake-up, the indices of outputs that changed;
+        ends when every output is finished."""
+        while not self.done:
+            await self.event.wait()
+            self.event.clear()
+            changed = [k for k, out in enumerate(self.outputs) if out.update()]
+            for k in changed:
+                if self.outputs[k].stopped_here:
+                    self.manager.abort(self.outputs[k].state)  # free its KV now
+            if changed:
+                yield changed
+
+    async def wait(self) -> None:
+        async for _ in self.updates():
+            pass
+
+    def abort(self) -> None:
+        """Aborts every request the scheduler still runs (client gone, error)."""
+        for out in self.outputs:
+            self.manager.abort(out.state)
+
+    def forget(self) -> None:
+        """Drops the requests from the manager (their scheduler may never answer)."""
+        for out in self.outputs:
+            self.manager.forget(out.state)

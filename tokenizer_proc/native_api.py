@@ -1,0 +1,55 @@
+"""SGLang's native `POST /generate`.
+
+Answer: `{"text", "output_ids", "meta_info"}` per output, or a JSON list of
+them for a list of prompts or n > 1 (prompt-major order). Streaming (one
+prompt, n = 1) sends the cumulative text in every event, as SGLang does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, TOKENIZER
+from tokenizer_proc.errors import json_response
+from tokenizer_proc.generation import Generation
+from tokenizer_proc.logprobs import TokenTexts, native_token_logprobs, native_top_logprobs
+from tokenizer_proc.middlewares import read_body
+from tokenizer_proc.protocol import GenerateInput, parse_generate_request
+from tokenizer_proc.request_output import RequestOutput
+from tokenizer_proc.sse import stream_events
+from tokenizer_proc.validation import parse_json_object
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    tokenizer, info = request.app[TOKENIZER], request.app[MODEL_INFO]
+    arrival = time.perf_counter()  # e2e latency includes reading and tokenizing
+    body = parse_json_object(await read_body(request))
+    inp = parse_generate_request(body, tokenizer, info.context_len, info.vocab_size)
+    gen = Generation(request.app[MANAGER], tokenizer, inp.specs, inp.stream, arrival)
+    gen.submit()
+    try:
+        texts = TokenTexts(tokenizer) if inp.return_text_in_logprobs else None
+        if inp.stream:
+            return await stream_events(request, _events(gen, inp, texts), gen.outputs[0].rid)
+        await gen.wait()
+        outs = [output_json(o, inp, texts) for o in gen.outputs]
+        return json_response(outs if inp.batched else outs[0])
+    finally:
+        gen.abort()  # a no-op unless the client went away or something failed
+
+
+async def _events(gen: Generation, inp: GenerateInput, texts: TokenTexts | None) -> AsyncIterator[Any]:
+    async for _ in gen.updates():
+        yield output_json(gen.outputs[0], inp, texts)
+
+
+def output_json(out: RequestOutput, inp: GenerateInput, texts: TokenTexts | None) -> dict[str, Any]:
+    meta = out.meta_info()
+    if out.spec.return_logprob:
+        meta["output_token_logprobs"] = native_token_logprobs(out.ids, out.token_logprobs, texts)
+        meta["output_top_logprobs"] = native_top_logprobs(out.top_logprobs, texts)
+    return {"text": out.text, "output_ids": list(out.ids), "meta_info": meta}

@@ -1,0 +1,207 @@
+"""OpenAI-compatible routes: `/v1/completions`, `/v1/chat/completions`,
+`/v1/models`, so the `openai` client (and tools built on it) work unchanged.
+
+Each request becomes a `Generation` (n samples x prompts, choice k is output
+k); a shaper turns its outputs into OpenAI's response or stream chunks. An
+aborted output is an error, not a choice: a 400 before the headers, an error
+event in the stream after them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, SERVER_ARGS, TOKENIZER
+from tokenizer_proc.errors import BadRequestError, json_response
+from tokenizer_proc.generation import Generation
+from tokenizer_proc.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from tokenizer_proc.middlewares import read_body
+from tokenizer_proc.openai_protocol import OpenAIInput, parse_chat_request, parse_completion_request
+from tokenizer_proc.request_output import RequestOutput
+from tokenizer_proc.sse import stream_events
+from tokenizer_proc.validation import parse_json_object
+
+STARTED = int(time.time())
+
+
+def served_model_name(app: web.Application) -> str:
+    info = app[MODEL_INFO]
+    return app[SERVER_ARGS].served_model_name or info.served_model_name or info.model_path or "default"
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return json_response({"object": "list", "data": [_model_card(request.app)]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    card = _model_card(request.app)
+    if request.match_info["model"] != card["id"]:
+        raise web.HTTPNotFound(reason=f"the model {request.match_info['model']!r} does not exist")
+    return json_response(card)
+
+
+def _model_card(app: web.Application) -> dict[str, Any]:
+    info = app[MODEL_INFO]
+    return {"id": served_model_name(app), "object": "model", "created": STARTED, "owned_by": "batchserve",
+            "root": info.model_path, "max_model_len": info.context_len}
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, chat=True)
+
+
+async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
+    tokenizer, info = request.app[TOKENIZER], request.app[MODEL_INFO]
+    arrival = time.perf_counter()
+    body = parse_json_object(await read_body(request))
+    inp = (parse_chat_request if chat else parse_completion_request)(body, tokenizer, info)
+    shaper = (ChatShaper if chat else CompletionShaper)(inp, served_model_name(request.app),
+                                                        TokenTexts(tokenizer))
+    gen = Generation(request.app[MANAGER], tokenizer, inp.specs, inp.stream, arrival)
+    gen.submit()
+    try:
+        if inp.stream:
+            return await stream_events(request, shaper.chunks(gen), inp.request_id)
+        await gen.wait()
+        return json_response(shaper.response(gen.outputs))
+    finally:
+        gen.abort()  # a no-op unless the client went away or something failed
+
+
+def finish_reason(out: RequestOutput) -> str:
+    reason = out.finish_reason or {}
+    if reason.get("type") == "stop":
+        return "stop"
+    if reason.get("type") == "length":
+        return "length"
+    raise BadRequestError(f"the request was aborted: {reason.get('message', 'unknown reason')}")
+
+
+class Shaper:
+    """What both routes share: ids, usage, and the streaming loop."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, inp: OpenAIInput, model: str, texts: TokenTexts) -> None:
+        self.inp, self.model, self.texts = inp, model, texts
+        self.created = int(time.time())
+
+    def usage(self, outputs: list[RequestOutput]) -> dict[str, int]:
+        completion = sum(len(o.ids) for o in outputs)
+        return {"prompt_tokens": self.inp.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.inp.prompt_tokens + completion}
+
+    def _envelope(self, object_name: str) -> dict[str, Any]:
+        return {"id": self.inp.request_id, "object": object_name, "created": self.created,
+                "model": self.model}
+
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices = [self.choice(k, o) for k, o in enumerate(outputs)]
+        return {**self._envelope(self.object_name), "choices": choices, "usage": self.usage(outputs)}
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        chunk = {**self._envelope(self.chunk_object_name), "choices": choices}
+        if self.inp.include_usage:
+            chunk["usage"] = usage  # null on every chunk but the last, as OpenAI does
+        return chunk
+
+    async def chunks(self, gen: Generation) -> AsyncIterator[dict[str, Any]]:
+        n = len(gen.outputs)
+        sent_text, sent_lp = [0] * n, [0] * n
+        for first in self.opening_chunks(n):
+            yield first
+        async for changed in gen.updates():
+            for k in changed:
+                out = gen.outputs[k]
+                delta = out.text[sent_text[k]:]
+                lp_end = out.text_ids_len() if self.inp.logprobs else 0
+                reason = finish_reason(out) if out.done else None  # raises for an abort
+                if not delta and lp_end == sent_lp[k] and reason is None:
+                    continue  # text held back (a split character or a possible stop string)
+                yield self.chunk([self.delta_choice(k, out, delta, sent_lp[k], lp_end, reason)])
+                sent_text[k], sent_lp[k] = len(out.text), lp_end
+        if self.inp.include_usage:
+            yield self.chunk([], usage=self.usage(gen.outputs))
+
+    # route-specific
+    def opening_chunks(self, n: int) -> list[dict[str, Any]]:
+        return []
+
+    def choice(self, k: int, out: RequestOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def delta_choice(self, k: int, out: RequestOutput, delta: str, lp_start: int, lp_end: int,
+                     reason: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+def _matched_stop(out: RequestOutput) -> Any:
+    """SGLang's extra: the stop string or token id that ended the choice."""
+    return (out.finish_reason or {}).get("matched")
+
+
+class CompletionShaper(Shaper):
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, inp: OpenAIInput, model: str, texts: TokenTexts) -> None:
+        super().__init__(inp, model, texts)
+        self.offsets: dict[int, int] = {}  # per choice: text length of tokens already sent (text_offset)
+
+    def _logprobs(self, k: int, out: RequestOutput, start: int, end: int) -> dict[str, Any] | None:
+        if not self.inp.logprobs:
+            return None
+        lp = completion_logprobs(out.ids[start:end], out.token_logprobs[start:end], out.top_logprobs[start:end],
+                                 self.texts, self.inp.top_logprobs, self.offsets.get(k, 0))
+        if lp["tokens"]:
+            self.offsets[k] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        return lp
+
+    def choice(self, k: int, out: RequestOutput) -> dict[str, Any]:
+        return {"index": k, "text": out.text, "logprobs": self._logprobs(k, out, 0, out.text_ids_len()),
+                "finish_reason": finish_reason(out), "matched_stop": _matched_stop(out)}
+
+    def delta_choice(self, k: int, out: RequestOutput, delta: str, lp_start: int, lp_end: int,
+                     reason: str | None) -> dict[str, Any]:
+        choice = {"index": k, "text": delta, "logprobs": self._logprobs(k, out, lp_start, lp_end),
+                  "finish_reason": reason}
+        if reason is not None:
+            choice["matched_stop"] = _matched_stop(out)
+        return choice
+
+
+class ChatShaper(Shaper):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _logprobs(self, out: RequestOutput, start: int, end: int) -> dict[str, Any] | None:
+        if not self.inp.logprobs:
+            return None
+        return chat_logprobs(out.ids[start:end], out.token_logprobs[start:end], out.top_logprobs[start:end],
+                             self.texts, self.inp.top_logprobs)
+
+    def opening_chunks(self, n: int) -> list[dict[str, Any]]:
+        # OpenAI opens each choice with the role and empty content.
+        return [self.chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}]) for k in range(n)]
+
+    def choice(self, k: int, out: RequestOutput) -> dict[str, Any]:
+        return {"index": k, "message": {"role": "assistant", "content": out.text},
+                "logprobs": self._logprobs(out, 0, out.text_ids_len()),
+                "finish_reason": finish_reason(out), "matched_stop": _matched_stop(out)}
+
+    def delta_choice(self, k: int, out: RequestOutput, delta: str, lp_start: int, lp_end: int,
+                     reason: str | None) -> dict[str, Any]:
+        choice = {"index": k, "delta": {"content": delta} if delta else {},
+                  "logprobs": self._logprobs(out, lp_start, lp_end), "finish_reason": reason}
+        if reason is not None:
+            choice["matched_stop"] = _matched_stop(out)
+        return choice

@@ -1,0 +1,93 @@
+"""Operations routes: health, model and server info, aborting requests."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from common.messages import SamplingParams
+from tokenizer_proc.app_keys import HEALTH_GENERATE_TIMEOUT, MANAGER, MODEL_INFO, SERVER_ARGS, TOKENIZER
+from tokenizer_proc.errors import BadRequestError, ServiceUnavailableError, json_response
+from tokenizer_proc.generation import Generation
+from tokenizer_proc.middlewares import read_body
+from tokenizer_proc.request_spec import RequestSpec
+from tokenizer_proc.validation import check_bool, parse_json_object
+
+logger = logging.getLogger(__name__)
+
+# The scheduler's live state (queue lengths, KV usage, ...) for /get_server_info.
+# Nothing asks the scheduler yet: whoever adds that message sets this app key to
+# a coroutine function returning a dict; until then the field is null.
+SCHEDULER_STATE = web.AppKey("scheduler_state", Callable[[], Awaitable[dict[str, Any] | None]])
+
+
+async def no_scheduler_state() -> dict[str, Any] | None:
+    return None
+
+
+async def health(request: web.Request) -> web.Response:
+    """The process is up (no engine round trip: cheap enough for probes)."""
+    return json_response({})
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """One one-token request through the whole engine; 503 when it does not
+    finish within the timeout (the scheduler or model is stuck or gone)."""
+    timeout = request.app[HEALTH_GENERATE_TIMEOUT]
+    spec = RequestSpec(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
+                       sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
+    gen = Generation(request.app[MANAGER], request.app[TOKENIZER], [spec], False, time.perf_counter())
+    gen.submit()
+    try:
+        await asyncio.wait_for(gen.wait(), timeout)
+    except asyncio.TimeoutError:
+        gen.abort()
+        gen.forget()  # a stuck scheduler may never send the final row
+        raise ServiceUnavailableError(f"the engine did not answer within {timeout:g} s") from None
+    finally:
+        gen.abort()
+    reason = gen.outputs[0].finish_reason or {}
+    if reason.get("type") == "abort":
+        raise ServiceUnavailableError(f"the health check request was aborted: {reason.get('message')}")
+    return json_response({})
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    info = msgspec.structs.asdict(request.app[MODEL_INFO])
+    return json_response({**info, "is_generation": True})
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    args = dataclasses.asdict(request.app[SERVER_ARGS])
+    if args.get("api_key"):
+        args["api_key"] = "<set>"  # never echo the secret
+    return json_response({
+        **args,
+        "model_info": msgspec.structs.asdict(request.app[MODEL_INFO]),
+        "requests_in_flight": len(request.app[MANAGER].states),
+        "internal_states": await request.app[SCHEDULER_STATE](),
+    })
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    """{"rid": id} aborts that request (or every request of a fanned-out one);
+    {"abort_all": true} aborts everything. An unknown rid is not an error: the
+    request may just have finished."""
+    body = parse_json_object(await read_body(request))
+    manager = request.app[MANAGER]
+    if body.get("abort_all") is not None and check_bool("abort_all", body["abort_all"]):
+        aborted = manager.abort_all()
+    elif isinstance(body.get("rid"), str) and body["rid"]:
+        aborted = manager.abort_rid(body["rid"])
+    else:
+        raise BadRequestError('give {"rid": "<request id>"} or {"abort_all": true}')
+    logger.info("/abort_request aborted %d request(s)", len(aborted))
+    return json_response({"aborted": aborted})
