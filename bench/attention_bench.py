@@ -136,7 +136,8 @@ def report(runner: ModelRunner, command: str, steps: int, header: list[str], row
             f"SmolLM2-135M ({cfg.num_layers} layers, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, "
             f"head_dim {cfg.head_dim}), float32, {platform.machine()}, {os.cpu_count()} cores, "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {steps} steps "
-            f"after one warm-up.\n\n{table}\n")
+            f"after one warm-up; load average at the end {os.getloadavg()[0]:.1f} (other processes "
+            f"on the cores inflate the figures).\n\n{table}\n")
 
 
 def main(argv: list[str] | None = None) -> None:

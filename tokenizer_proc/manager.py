@@ -39,6 +39,7 @@ class ReqState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     num_retractions: int = 0
+    queue_time: float = 0.0  # seconds from arrival at the scheduler to its first prefill
     abort_sent: bool = False
     # The HTTP request this one belongs to (its id), when it fanned out into
     # several; /abort_request with that id aborts them all.
@@ -159,6 +160,8 @@ class TokenizerManager:
             state.completion_tokens = out.completion_tokens[i]
             state.cached_tokens = out.cached_tokens[i]
             state.num_retractions = out.num_retractions[i]
+            if out.queue_times:
+                state.queue_time = out.queue_times[i]
             if out.finished_reasons[i] is not None:
                 state.finish_reason = out.finished_reasons[i]
                 del self.states[rid]

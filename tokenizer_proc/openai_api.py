@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, SERVER_ARGS, TOKENIZER
-from tokenizer_proc.errors import BadRequestError, json_response
+from tokenizer_proc.errors import BadRequestError, ServiceUnavailableError, json_response
 from tokenizer_proc.generation import Generation
 from tokenizer_proc.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from tokenizer_proc.middlewares import read_body
@@ -82,6 +82,8 @@ def finish_reason(out: RequestOutput) -> str:
         return "stop"
     if reason.get("type") == "length":
         return "length"
+    if reason.get("status_code") == 503:  # the scheduler's queue is full
+        raise ServiceUnavailableError(reason.get("message", "the server is overloaded"))
     raise BadRequestError(f"the request was aborted: {reason.get('message', 'unknown reason')}")
 
 

@@ -112,6 +112,7 @@ class RequestOutput:
             "completion_tokens": len(self.ids),
             "cached_tokens": st.cached_tokens,
             "num_retractions": st.num_retractions,
+            "queue_time": st.queue_time,
             "finish_reason": self.finish_reason,
             "e2e_latency": time.perf_counter() - st.arrival,
         }

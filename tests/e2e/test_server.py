@@ -133,3 +133,22 @@ def test_server_exits_nonzero_when_a_child_dies():
         assert not any(pid_alive(p) for p in srv.child_pids)
     finally:
         srv.kill()
+
+
+def test_queue_limit_gives_503_and_meta_info_reports_queue_time():
+    srv = ServerProcess("--max-running-requests", "1", "--max-queued-requests", "1")
+    try:
+        body = {"text": "Tell me a long story.",
+                "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, "temperature": 0}}
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            rs = list(pool.map(lambda _: generate(srv, body), range(5)))
+        codes = sorted(r.status_code for r in rs)
+        assert 503 in codes and 200 in codes, codes
+        for r in rs:
+            if r.status_code == 503:
+                assert "queue is full" in r.json()["error"]["message"]
+            else:
+                assert r.json()["meta_info"]["queue_time"] >= 0.0
+        assert generate(srv, body).status_code == 200  # serving again once drained
+    finally:
+        srv.kill()

@@ -16,7 +16,7 @@ from tests.tokenizer_proc.server_harness import (CONTEXT_LEN, Server, open_raw, 
                                                  sse_events, wait_until)
 
 
-META_KEYS = {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "num_retractions",
+META_KEYS = {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "num_retractions", "queue_time",
              "finish_reason", "e2e_latency"}
 
 
