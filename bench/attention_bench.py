@@ -9,9 +9,10 @@ time: `init_forward_metadata` once per step plus `forward` (KV store, page
 gather, SDPA) in every layer, timed by wrapping the two methods. The torch
 CPU ops are synchronous, so wall-clock around each call is its cost.
 
-`--compare-fresh` also runs each case with a fresh gather buffer per layer
-(what the backend did before it kept a reused workspace). The table is
-printed and appended, with the command and date, to bench/RESULTS.md.
+`--compare` also runs each case the two earlier ways: one batch-wide gather
+into a reused buffer (no row chunks), and one batch-wide gather into a fresh
+buffer per layer (the backend before this bench). The table is printed and
+appended, with the command and date, to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -136,8 +137,8 @@ def report(runner: ModelRunner, command: str, steps: int, header: list[str], row
             f"SmolLM2-135M ({cfg.num_layers} layers, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, "
             f"head_dim {cfg.head_dim}), float32, {platform.machine()}, {os.cpu_count()} cores, "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {steps} steps "
-            f"after one warm-up; load average at the end {os.getloadavg()[0]:.1f} (other processes "
-            f"on the cores inflate the figures).\n\n{table}\n")
+            f"after one warm-up; load average at the end {os.getloadavg()[0]:.1f} (the bench's own "
+            f"threads count; more means other processes competed and inflated the figures).\n\n{table}\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,8 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--steps", type=int, default=3, help="timed steps per case (after one warm-up)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--compare-fresh", action="store_true",
-                   help="also time a fresh gather buffer per layer (the old code path)")
+    p.add_argument("--compare", action="store_true",
+                   help="also time the batch-wide gather, reused and fresh buffer (the earlier code)")
     p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = p.parse_args(argv)
     if args.threads:
@@ -158,13 +159,17 @@ def main(argv: list[str] | None = None) -> None:
     cases = [(bs, ctx) for ctx in args.contexts for bs in args.batches]
     header = ["batch", "context", "step ms", "attention ms", "attention share"]
     rows = [[str(bs), str(ctx), *cells] for (bs, ctx), cells in zip(cases, run_cases(runner, cases, args.steps))]
-    if args.compare_fresh:
-        # a second pass, so that freeing the fresh buffers cannot slow the first
-        print("fresh gather buffer per layer:")
-        runner.attn_backend.workspace = FreshWorkspace()
-        header += ["step ms (fresh buf)", "attention ms (fresh buf)"]
-        for row, cells in zip(rows, run_cases(runner, cases, args.steps)):
-            row += cells[:2]
+    if args.compare:
+        # later passes, so that freeing the fresh buffers cannot slow the first
+        backend = runner.attn_backend
+        backend.decode_chunk_bytes = 1 << 62
+        for label in ("whole batch", "whole batch, fresh buf"):
+            print(f"{label}:")
+            if "fresh" in label:
+                backend.workspace = FreshWorkspace()
+            header += [f"step ms ({label})", f"attention ms ({label})"]
+            for row, cells in zip(rows, run_cases(runner, cases, args.steps)):
+                row += cells[:2]
 
     command = " ".join(["python -m bench.attention_bench", *(sys.argv[1:] if argv is None else argv)])
     text = report(runner, command, args.steps, header, rows)

@@ -15,6 +15,7 @@ slots kv_indices[kv_indptr[i]:kv_indptr[i+1]] (at least one per row).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -116,13 +117,18 @@ def _decode_stage2_kernel(
              mask=mask_dv)
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def choose_num_kv_splits(batch_size: int, num_kv_heads: int, max_seq_len: int,
                          device: torch.device) -> int:
     """Enough stage-1 programs to keep every SM busy (about two per SM), but
-    no split shorter than MIN_TOKENS_PER_SPLIT. A power of two, so that a
-    handful of values covers every step."""
+    no split shorter than MIN_TOKENS_PER_SPLIT; a power of two up to
+    MAX_KV_SPLITS."""
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _num_sms(torch.cuda.current_device() if device.index is None else device.index)
     else:
         sms = 2  # the interpreter: every program costs, keep grids small
     want = math.ceil(2 * sms / max(1, batch_size * num_kv_heads))

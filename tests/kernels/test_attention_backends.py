@@ -15,6 +15,9 @@ from tests.kernels.kernel_inputs import rel_err
 
 Q_HEADS, KV_HEADS, HEAD_DIM, POOL = 6, 2, 16, 600
 BACKENDS = ["torch", "triton"]
+# the torch backend's decode in chunks of rows, as a big batch runs: 1 and 2
+# rows per chunk (5 rows: an uneven last chunk)
+DECODE_VARIANTS = {"torch": None, "torch-chunk1": 1, "torch-chunk2": 2, "triton": None}
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int) -> torch.Tensor:
@@ -53,10 +56,13 @@ def make_batch(mode: str, rows: list[int], seq_lens: list[int], prefix_lens: lis
                         [0.0] * b, [1.0] * b, [-1] * b, [0.0] * b, [-1] * b, [0] * b)
 
 
-@pytest.mark.parametrize("name", BACKENDS)
-def test_decode(name: str, gen: torch.Generator) -> None:
-    backend = make_backend(name, gen)
+@pytest.mark.parametrize("variant", DECODE_VARIANTS)
+def test_decode(variant: str, gen: torch.Generator) -> None:
+    backend = make_backend(variant.split("-")[0], gen)
     rows, seq_lens = [3, 1, 4, 2, 5], [37, 1, 300, 5, 96]
+    if DECODE_VARIANTS[variant]:
+        row_bytes = 2 * max(seq_lens) * KV_HEADS * HEAD_DIM * 4
+        backend.decode_chunk_bytes = DECODE_VARIANTS[variant] * row_bytes
     fill_rows(backend, rows, seq_lens, gen)
     table = backend.req_to_token.table
     loc = torch.tensor([table[r, n - 1].item() for r, n in zip(rows, seq_lens)])

@@ -3,21 +3,24 @@ the same greedy tokens and logits as the torch backend."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from common.messages import ForwardBatch
 from tests.helpers import RunnerDriver
 
 PROMPTS = [[1, 45, 300, 12, 7, 99, 101], [9, 8], list(range(20, 45))]
 
 
-def run(runner, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+def run(runner: Any, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Ragged prefill, decode, then an extend with a prefix in the pool (a
     follow-up turn), then decode again; the logits of every step."""
     driver = RunnerDriver(runner)
     rows = [driver.new_row() for _ in PROMPTS]
     logits = []
 
-    def step(batch) -> list[int]:
+    def step(batch: ForwardBatch) -> list[int]:
         logits.append(runner.compute_logits(batch))
         return logits[-1].argmax(-1).tolist()
 
@@ -34,7 +37,7 @@ def run(runner, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
     return out, logits
 
 
-def test_triton_backend_greedy_equals_torch_backend(tiny_llama_dir, make_runner):
+def test_triton_backend_greedy_equals_torch_backend(tiny_llama_dir: str, make_runner: Any) -> None:
     tokens, logits = {}, {}
     for name in ("torch", "triton"):
         runner = make_runner(tiny_llama_dir, attention_backend=name)
