@@ -40,6 +40,15 @@ class AbortReq(msgspec.Struct, tag=True):
     rid: str
 
 
+class SchedulerQuery(msgspec.Struct, tag=True):
+    """A question for the scheduler, answered by a SchedulerReply with the same
+    query_id. kind "state": its live state (queues, KV usage, counters);
+    kind "flush_cache": reset cache state, refused while requests run."""
+
+    query_id: str
+    kind: str
+
+
 # ---- scheduler_proc -> tokenizer_proc -------------------------------------------------
 
 
@@ -62,6 +71,14 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     output_token_logprobs: list[list[float]] = []
     output_top_logprobs: list[list[list[tuple[float, int]]]] = []  # (logprob, token id)
     queue_times: list[float] = []  # seconds from arrival to the first prefill
+    first_token_times: list[float] = []  # wall-clock time.time() of the first output token
+
+
+class SchedulerReply(msgspec.Struct, tag=True):
+    query_id: str
+    ok: bool
+    data: dict[str, Any] = {}
+    message: str = ""
 
 
 # ---- scheduler_proc <-> model_proc ----------------------------------------------------
@@ -152,8 +169,8 @@ class IpcPaths(msgspec.Struct):
         )
 
 
-ToSchedulerMsg = Union[TokenizedGenerateReq, AbortReq]
-ToTokenizerMsg = BatchTokenOut
+ToSchedulerMsg = Union[TokenizedGenerateReq, AbortReq, SchedulerQuery]
+ToTokenizerMsg = Union[BatchTokenOut, SchedulerReply]
 ToModelMsg = ForwardBatch
 FromModelMsg = ForwardResult
 ToLauncherMsg = ReadyMsg

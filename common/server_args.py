@@ -58,6 +58,7 @@ class ServerArgs:
     # HTTP
     api_key: str = ""  # when set, every route but /health needs "Authorization: Bearer KEY"
     max_request_bytes: int = 16 * 2**20
+    enable_metrics: bool = False  # serve GET /metrics (Prometheus text format)
     # misc
     log_level: str = "info"
     cache_dir: str = field(default_factory=lambda: os.path.join(
@@ -147,6 +148,8 @@ class ServerArgs:
         parser.add_argument("--max-request-bytes", type=int,
                             default=d["max_request_bytes"].default,
                             help="larger request bodies get HTTP 413")
+        parser.add_argument("--enable-metrics", action="store_true",
+                            help="serve Prometheus metrics at GET /metrics")
         parser.add_argument("--log-level", default=d["log_level"].default,
                             choices=["debug", "info", "warning", "error"])
         parser.add_argument("--cache-dir", default=None,

@@ -25,6 +25,7 @@ class Req:
     kv_len: int = 0  # tokens of fill_ids whose KV sits in the pool
     extend_input_len: int = 0  # tokens the coming prefill computes (a chunk, or all)
     admit_time: float | None = None  # first prefill start (queue time = admit - arrival)
+    first_token_time: float = 0.0  # wall clock of the first output token (0: none yet)
     finished_reason: dict[str, Any] | None = None
     num_retractions: int = 0
     sent_len: int = 0  # output tokens already sent to the tokenizer process

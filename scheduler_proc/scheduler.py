@@ -8,7 +8,8 @@ from collections import deque
 from typing import Any, Callable, Protocol
 
 from common.messages import (AbortReq, BatchTokenOut, ForwardBatch, ForwardResult, ModelInfo,
-                             TokenizedGenerateReq, ToSchedulerMsg)
+                             SchedulerQuery, SchedulerReply, TokenizedGenerateReq, ToSchedulerMsg,
+                             ToTokenizerMsg)
 from common.server_args import ServerArgs
 from scheduler_proc.memory import ReqToTokenPool, TokenSlotAllocator
 from scheduler_proc.policy import order_waiting_queue
@@ -37,7 +38,7 @@ class ModelClient(Protocol):
 
 class Scheduler:
     def __init__(self, server_args: ServerArgs, model_info: ModelInfo, model: ModelClient,
-                 send_output: Callable[[BatchTokenOut], None]) -> None:
+                 send_output: Callable[[ToTokenizerMsg], None]) -> None:
         self.args = server_args
         self.model_info = model_info
         self.model = model
@@ -75,6 +76,23 @@ class Scheduler:
                 self.handle_generate_request(msg)
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg.rid)
+            elif isinstance(msg, SchedulerQuery):
+                self.send_output(self.answer_query(msg))
+
+    def answer_query(self, query: SchedulerQuery) -> SchedulerReply:
+        if query.kind == "state":
+            return SchedulerReply(query_id=query.query_id, ok=True, data=self.state())
+        if query.kind == "flush_cache":
+            # There is no prefix cache yet: flushing resets the admission
+            # estimate, and like SGLang it is refused while requests are live.
+            if not self.is_idle():
+                return SchedulerReply(query_id=query.query_id, ok=False,
+                                      message="cannot flush the cache while requests are running "
+                                              "or waiting")
+            self.new_token_ratio = self.init_new_token_ratio
+            return SchedulerReply(query_id=query.query_id, ok=True, message="Cache flushed.")
+        return SchedulerReply(query_id=query.query_id, ok=False,
+                              message=f"unknown query kind {query.kind!r}")
 
     def handle_generate_request(self, msg: TokenizedGenerateReq) -> None:
         req = Req.from_message(msg, self.model_info.eos_token_ids)
@@ -341,6 +359,8 @@ class Scheduler:
             self.total_row_steps += 1
             self.useful_row_steps += 1
             req.output_ids.append(token)
+            if not req.first_token_time:
+                req.first_token_time = time.time()
             if req.return_logprob:
                 req.output_token_logprobs.append(result.next_token_logprobs[i])
                 if req.top_logprobs_num:
@@ -398,6 +418,7 @@ class Scheduler:
             out.output_token_logprobs.append(req.output_token_logprobs[req.sent_len:])
             out.output_top_logprobs.append(req.output_top_logprobs[req.sent_len:])
             out.queue_times.append(req.queue_time)
+            out.first_token_times.append(req.first_token_time)
             req.sent_len = len(req.output_ids)
             req.finish_sent = req.finished
         if out.rids:
@@ -444,6 +465,7 @@ class Scheduler:
 
     def state(self) -> dict[str, Any]:
         return {
+            "max_running_requests": self.args.max_running_requests,
             "batching": self.args.batching,
             "num_running_reqs": len(self.running_batch) if self.running_batch else 0,
             "num_waiting_reqs": len(self.waiting_queue),

@@ -46,7 +46,7 @@ def build_app(
     app[SERVER_ARGS] = server_args
     app[MAX_BODY] = server_args.max_request_bytes
     app[HEALTH_GENERATE_TIMEOUT] = health_generate_timeout
-    app[ops_api.SCHEDULER_STATE] = ops_api.no_scheduler_state
+    app[ops_api.SCHEDULER_STATE] = ops_api.scheduler_state_getter(app)
 
     async def scheduler_link(app: web.Application) -> AsyncIterator[None]:
         manager = TokenizerManager(ipc)
@@ -73,6 +73,9 @@ def build_app(
     r.add_get("/health_generate", ops_api.health_generate)
     r.add_get("/get_model_info", ops_api.get_model_info)
     r.add_get("/get_server_info", ops_api.get_server_info)
+    r.add_route("*", "/flush_cache", ops_api.flush_cache)  # SGLang takes GET and POST
+    if server_args.enable_metrics:
+        r.add_get("/metrics", ops_api.metrics)
     return app
 
 

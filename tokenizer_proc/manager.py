@@ -8,12 +8,17 @@ a rid is never reused while the scheduler still holds it.
 
 Several requests may share one wake-up event: an HTTP request that fans out
 (n samples, a list of prompts) then sleeps on one event for all of them.
+
+Questions for the scheduler (`query_scheduler`: its live state, a cache
+flush) go over the same sockets and are matched to their replies by id.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +26,9 @@ import zmq
 import zmq.asyncio
 
 from common.ipc import AsyncPullSocket, PushSocket
-from common.messages import AbortReq, BatchTokenOut, IpcPaths, TokenizedGenerateReq
+from common.messages import (AbortReq, BatchTokenOut, IpcPaths, SchedulerQuery, SchedulerReply,
+                             TokenizedGenerateReq, ToTokenizerMsg)
+from tokenizer_proc.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +47,8 @@ class ReqState:
     cached_tokens: int = 0
     num_retractions: int = 0
     queue_time: float = 0.0  # seconds from arrival at the scheduler to its first prefill
+    arrival_wall: float = 0.0  # time.time() at arrival, for latency metrics
+    first_token_wall: float = 0.0  # time.time() of the first output token (scheduler's clock)
     abort_sent: bool = False
     # The HTTP request this one belongs to (its id), when it fanned out into
     # several; /abort_request with that id aborts them all.
@@ -64,9 +73,11 @@ class TokenizerManager:
         self.ctx = zmq.Context()
         self.actx = zmq.asyncio.Context()
         self.to_scheduler = PushSocket(self.ctx, ipc.scheduler_input)
-        self.from_scheduler: AsyncPullSocket[BatchTokenOut] = AsyncPullSocket(
-            self.actx, ipc.tokenizer_input, BatchTokenOut, bind=True)
+        self.from_scheduler: AsyncPullSocket[ToTokenizerMsg] = AsyncPullSocket(
+            self.actx, ipc.tokenizer_input, ToTokenizerMsg, bind=True)
         self.states: dict[str, ReqState] = {}
+        self.queries: dict[str, asyncio.Future[SchedulerReply]] = {}
+        self.metrics = ServerMetrics()
         self._loop_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -91,7 +102,8 @@ class TokenizerManager:
         if req.rid in self.states:
             raise DuplicateRidError(f"a request with rid {req.rid!r} is already running")
         state = ReqState(rid=req.rid, prompt_tokens=len(req.input_ids), arrival=arrival,
-                         event=event or asyncio.Event(), group=group)
+                         event=event or asyncio.Event(), group=group,
+                         arrival_wall=req.arrival_time or time.time())
         self.states[req.rid] = state
         try:
             self.to_scheduler.send(req)
@@ -136,10 +148,26 @@ class TokenizerManager:
             state.event.set()
         self.states.clear()
 
+    async def query_scheduler(self, kind: str, timeout: float = 5.0) -> SchedulerReply:
+        """Ask the scheduler; raises asyncio.TimeoutError if it does not answer."""
+        query_id = uuid.uuid4().hex
+        future: asyncio.Future[SchedulerReply] = asyncio.get_running_loop().create_future()
+        self.queries[query_id] = future
+        try:
+            self.to_scheduler.send(SchedulerQuery(query_id=query_id, kind=kind))
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self.queries.pop(query_id, None)
+
     async def _output_loop(self) -> None:
         while True:
             try:
                 out = await self.from_scheduler.recv()
+                if isinstance(out, SchedulerReply):
+                    future = self.queries.get(out.query_id)
+                    if future is not None and not future.done():
+                        future.set_result(out)
+                    continue
                 self._dispatch(out)
             except asyncio.CancelledError:
                 raise
@@ -162,7 +190,13 @@ class TokenizerManager:
             state.num_retractions = out.num_retractions[i]
             if out.queue_times:
                 state.queue_time = out.queue_times[i]
+            if out.first_token_times and out.first_token_times[i]:
+                state.first_token_wall = out.first_token_times[i]
             if out.finished_reasons[i] is not None:
                 state.finish_reason = out.finished_reasons[i]
                 del self.states[rid]
+                self.metrics.observe_finished(
+                    prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens,
+                    finish_type=str(state.finish_reason.get("type")), arrival=state.arrival_wall,
+                    first_token=state.first_token_wall, finished=time.time())
             state.event.set()

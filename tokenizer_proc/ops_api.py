@@ -23,14 +23,20 @@ from tokenizer_proc.validation import check_bool, parse_json_object
 
 logger = logging.getLogger(__name__)
 
-# The scheduler's live state (queue lengths, KV usage, ...) for /get_server_info.
-# Nothing asks the scheduler yet: whoever adds that message sets this app key to
-# a coroutine function returning a dict; until then the field is null.
+# The scheduler's live state (queue lengths, KV usage, counters): a coroutine
+# function returning a dict, or None when the scheduler does not answer in time.
 SCHEDULER_STATE = web.AppKey("scheduler_state", Callable[[], Awaitable[dict[str, Any] | None]])
+SCHEDULER_QUERY_TIMEOUT = 5.0  # seconds
 
 
-async def no_scheduler_state() -> dict[str, Any] | None:
-    return None
+def scheduler_state_getter(app: web.Application) -> Callable[[], Awaitable[dict[str, Any] | None]]:
+    async def get() -> dict[str, Any] | None:
+        try:
+            reply = await app[MANAGER].query_scheduler("state", SCHEDULER_QUERY_TIMEOUT)
+        except asyncio.TimeoutError:
+            return None
+        return reply.data
+    return get
 
 
 async def health(request: web.Request) -> web.Response:
@@ -73,8 +79,28 @@ async def get_server_info(request: web.Request) -> web.Response:
         **args,
         "model_info": msgspec.structs.asdict(request.app[MODEL_INFO]),
         "requests_in_flight": len(request.app[MANAGER].states),
-        "internal_states": await request.app[SCHEDULER_STATE](),
+        "scheduler": await request.app[SCHEDULER_STATE](),
     })
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """SGLang's cache flush. There is no prefix cache yet, so it only resets the
+    scheduler's admission estimate; like SGLang, it is refused (400) while
+    requests run or wait."""
+    try:
+        reply = await request.app[MANAGER].query_scheduler("flush_cache", SCHEDULER_QUERY_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise ServiceUnavailableError("the scheduler did not answer") from None
+    if not reply.ok:
+        raise BadRequestError(reply.message)
+    return web.Response(text=reply.message + "\n")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text format (only routed with --enable-metrics)."""
+    text = request.app[MANAGER].metrics.render(await request.app[SCHEDULER_STATE]())
+    return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
 
 
 async def abort_request(request: web.Request) -> web.Response:

@@ -21,7 +21,7 @@ CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM,
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--max-running-requests", "4")
+    srv = ServerProcess("--max-running-requests", "4", "--enable-metrics")
     yield srv
     srv.kill()
 
@@ -110,6 +110,20 @@ def test_bad_request_gets_400_and_server_keeps_serving(server):
     assert r.status_code == 200
 
 
+def test_server_info_and_metrics_show_the_live_scheduler(server):
+    info = requests.get(server.url + "/get_server_info", timeout=10).json()
+    sched = info["scheduler"]
+    assert sched["total_kv_slots"] == info["model_info"]["max_total_tokens"]
+    assert sched["free_kv_slots"] == sched["total_kv_slots"]  # idle: nothing leaked
+    assert sched["num_running_reqs"] == 0 and sched["batch_utilisation"] == 1.0
+    assert sched["useful_row_steps"] > 0  # the earlier tests' tokens were counted
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    assert "batchserve_num_running_reqs 0" in text
+    count = re.search(r"^batchserve_time_to_first_token_seconds_count (\S+)$", text, re.M)
+    assert count and float(count.group(1)) > 0
+    assert requests.post(server.url + "/flush_cache", timeout=10).status_code == 200
+
+
 def test_sigint_stops_every_child_and_removes_the_socket_dir(server):
     pids = list(server.child_pids)
     assert server.stop(signal.SIGINT) == 0
@@ -150,5 +164,28 @@ def test_queue_limit_gives_503_and_meta_info_reports_queue_time():
             else:
                 assert r.json()["meta_info"]["queue_time"] >= 0.0
         assert generate(srv, body).status_code == 200  # serving again once drained
+    finally:
+        srv.kill()
+
+
+def test_client_disconnect_mid_stream_frees_the_kv():
+    srv = ServerProcess("--max-running-requests", "2")
+    try:
+        body = {"text": "Write a very long essay about the sea.", "stream": True,
+                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+        with requests.post(srv.url + "/generate", json=body, stream=True, timeout=60) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith(b"data: "):
+                pass
+            sched = requests.get(srv.url + "/get_server_info", timeout=10).json()["scheduler"]
+            assert sched["num_running_reqs"] == 1 and sched["free_kv_slots"] < sched["total_kv_slots"]
+        # the connection is closed: within a few scheduler steps every slot is free again
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            sched = requests.get(srv.url + "/get_server_info", timeout=10).json()["scheduler"]
+            if sched["free_kv_slots"] == sched["total_kv_slots"] and sched["num_running_reqs"] == 0:
+                break
+            time.sleep(0.05)
+        assert sched["free_kv_slots"] == sched["total_kv_slots"] and sched["num_running_reqs"] == 0
     finally:
         srv.kill()

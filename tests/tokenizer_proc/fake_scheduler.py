@@ -23,7 +23,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from common.messages import AbortReq, BatchTokenOut, IpcPaths, ToSchedulerMsg, TokenizedGenerateReq
+from common.messages import (AbortReq, BatchTokenOut, IpcPaths, SchedulerQuery, SchedulerReply,
+                             ToSchedulerMsg, TokenizedGenerateReq)
+
+
+FAKE_STATE = {"num_running_reqs": 1, "num_waiting_reqs": 2, "token_usage": 0.25,
+              "total_retractions": 3, "new_token_ratio": 0.5, "batch_utilisation": 1.0}
 
 
 class FakeScheduler:
@@ -62,8 +67,18 @@ class FakeScheduler:
                 task = asyncio.create_task(self._serve(msg))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+            elif isinstance(msg, SchedulerQuery):
+                if not self.silent:
+                    await self.push.send(self._encoder.encode(self.answer(msg)))
             elif msg.rid in self._aborted:
                 self._aborted[msg.rid].set()
+
+    def answer(self, query: SchedulerQuery) -> SchedulerReply:
+        if query.kind == "state":
+            return SchedulerReply(query_id=query.query_id, ok=True, data=dict(FAKE_STATE))
+        busy = bool(self._tasks)  # like the real one: no flush while requests run
+        return SchedulerReply(query_id=query.query_id, ok=not busy,
+                              message="busy" if busy else "Cache flushed.")
 
     async def _send(self, req: TokenizedGenerateReq, new: list[int], done: int,
                     reason: dict | None) -> None:

@@ -49,7 +49,7 @@ def test_get_server_info(server: Server) -> None:
     assert info["max_running_requests"] == server.args.max_running_requests
     assert info["model_info"]["context_len"] == server.info.context_len
     assert info["api_key"] == ""  # none set here; a set one is redacted (test_security)
-    assert "internal_states" in info and "requests_in_flight" in info
+    assert info["scheduler"]["num_waiting_reqs"] == 2 and "requests_in_flight" in info
 
 
 def test_abort_request_by_rid(server: Server) -> None:
