@@ -59,6 +59,7 @@ class ServerArgs:
     api_key: str = ""  # when set, every route but /health needs "Authorization: Bearer KEY"
     max_request_bytes: int = 16 * 2**20
     enable_metrics: bool = False  # serve GET /metrics (Prometheus text format)
+    shutdown_timeout: float = 30.0  # SIGTERM: seconds in-flight requests may still run
     # misc
     log_level: str = "info"
     cache_dir: str = field(default_factory=lambda: os.path.join(
@@ -95,6 +96,8 @@ class ServerArgs:
             raise ValueError("--schedule-conservativeness must be > 0")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
+        if self.shutdown_timeout < 0:
+            raise ValueError("--shutdown-timeout must be >= 0")
         if self.batch_timeout_ms < 0:
             raise ValueError("--batch-timeout-ms must be >= 0")
 
@@ -150,6 +153,10 @@ class ServerArgs:
                             help="larger request bodies get HTTP 413")
         parser.add_argument("--enable-metrics", action="store_true",
                             help="serve Prometheus metrics at GET /metrics")
+        parser.add_argument("--shutdown-timeout", type=float,
+                            default=d["shutdown_timeout"].default,
+                            help="on SIGTERM, let in-flight requests finish for this long, "
+                                 "then abort the rest")
         parser.add_argument("--log-level", default=d["log_level"].default,
                             choices=["debug", "info", "warning", "error"])
         parser.add_argument("--cache-dir", default=None,
