@@ -43,10 +43,12 @@ class AbortReq(msgspec.Struct, tag=True):
 class SchedulerQuery(msgspec.Struct, tag=True):
     """A question for the scheduler, answered by a SchedulerReply with the same
     query_id. kind "state": its live state (queues, KV usage, counters);
-    kind "flush_cache": reset cache state, refused while requests run."""
+    kind "flush_cache": reset cache state, refused while requests run;
+    kind "timeline": recent request and step events (see scheduler_proc/timeline.py)."""
 
     query_id: str
     kind: str
+    since: float = 0.0  # kind "timeline": events after this time.time()
 
 
 # ---- scheduler_proc -> tokenizer_proc -------------------------------------------------

@@ -16,6 +16,7 @@ from scheduler_proc.policy import order_waiting_queue
 from scheduler_proc.prefill_adder import PrefillAdder
 from scheduler_proc.req import Req
 from scheduler_proc.schedule_batch import ScheduleBatch
+from scheduler_proc.timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class Scheduler:
         self.chunked_req: Req | None = None  # mid-way through a chunked prefill
         self.reqs_by_rid: dict[str, Req] = {}  # every request not yet finished
         self.num_consecutive_prefill = 0
+        self.timeline = Timeline()
 
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
@@ -82,6 +84,10 @@ class Scheduler:
     def answer_query(self, query: SchedulerQuery) -> SchedulerReply:
         if query.kind == "state":
             return SchedulerReply(query_id=query.query_id, ok=True, data=self.state())
+        if query.kind == "timeline":
+            return SchedulerReply(query_id=query.query_id, ok=True, data={
+                "now": time.time(), "seq": self.timeline.seq,
+                "events": self.timeline.since(query.since)})
         if query.kind == "flush_cache":
             # There is no prefix cache yet: flushing resets the admission
             # estimate, and like SGLang it is refused while requests are live.
@@ -108,6 +114,8 @@ class Scheduler:
             req.abort(error, status_code=QUEUE_FULL_STATUS)
         elif error is not None:
             req.abort(error)
+        self.timeline.request(req.rid, "arrived", prompt_tokens=len(req.origin_input_ids),
+                              max_new_tokens=req.sampling_params.max_new_tokens)
         if req.finished:
             self.stream_output([req])
             return
@@ -221,6 +229,13 @@ class Scheduler:
         for r in reqs:
             if r.admit_time is None:
                 r.admit_time = now
+                event = "admitted"
+            elif r.kv_len == 0:
+                event = "readmitted"  # after a retraction: recomputed from scratch
+            else:
+                event = "chunk"  # the next chunk of a chunked prefill
+            self.timeline.request(r.rid, event, t=now, tokens=r.extend_input_len
+                                  or r.seq_len - r.kv_len)
         batch = ScheduleBatch.init_new(reqs)
         batch.prepare_for_extend(self.req_to_token_pool, self.allocator)
         logger.info(
@@ -258,6 +273,7 @@ class Scheduler:
                 # the half-prefilled request holds the slots: it goes back instead
                 self.release_req(self.chunked_req, retracting=True)
                 self.chunked_req.num_retractions += 1
+                self.timeline.request(self.chunked_req.rid, "retracted", decoded=0)
                 retracted.append(self.chunked_req)
                 self.chunked_req = None
                 if self.allocator.available() >= 1:
@@ -272,6 +288,7 @@ class Scheduler:
             req = batch.reqs[i]
             self.release_req(req, retracting=True)
             req.num_retractions += 1
+            self.timeline.request(req.rid, "retracted", decoded=len(req.output_ids))
             retracted.append(req)
             keep.discard(i)
         batch.filter_batch(sorted(keep))
@@ -361,6 +378,7 @@ class Scheduler:
             req.output_ids.append(token)
             if not req.first_token_time:
                 req.first_token_time = time.time()
+                self.timeline.request(req.rid, "first_token", t=req.first_token_time)
             if req.return_logprob:
                 req.output_token_logprobs.append(result.next_token_logprobs[i])
                 if req.top_logprobs_num:
@@ -421,6 +439,9 @@ class Scheduler:
             out.first_token_times.append(req.first_token_time)
             req.sent_len = len(req.output_ids)
             req.finish_sent = req.finished
+            if req.finished:
+                self.timeline.request(req.rid, "finished", reason=req.finished_reason["type"],
+                                      completion_tokens=len(req.output_ids))
         if out.rids:
             self.send_output(out)
 
@@ -430,8 +451,13 @@ class Scheduler:
         """One iteration after input was processed: pick a batch, run it, retire rows."""
         batch = self.get_next_batch_to_run()
         if batch is not None:
+            start = time.perf_counter()
             result = self.run_batch(batch)
+            step_time = time.perf_counter() - start
             self.process_batch_result(batch, result)
+            self.timeline.step(kind=batch.forward_mode, batch_size=len(batch),
+                               tokens=len(batch.out_cache_loc), kv_usage=self.token_usage(),
+                               step_time=step_time)
         self.last_batch = batch
         return batch
 

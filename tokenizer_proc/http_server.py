@@ -74,6 +74,8 @@ def build_app(
     r.add_get("/get_model_info", ops_api.get_model_info)
     r.add_get("/get_server_info", ops_api.get_server_info)
     r.add_route("*", "/flush_cache", ops_api.flush_cache)  # SGLang takes GET and POST
+    r.add_get("/timeline", ops_api.timeline)
+    r.add_get("/dashboard", ops_api.dashboard)
     if server_args.enable_metrics:
         r.add_get("/metrics", ops_api.metrics)
     return app

@@ -148,13 +148,14 @@ class TokenizerManager:
             state.event.set()
         self.states.clear()
 
-    async def query_scheduler(self, kind: str, timeout: float = 5.0) -> SchedulerReply:
+    async def query_scheduler(self, kind: str, timeout: float = 5.0,
+                              since: float = 0.0) -> SchedulerReply:
         """Ask the scheduler; raises asyncio.TimeoutError if it does not answer."""
         query_id = uuid.uuid4().hex
         future: asyncio.Future[SchedulerReply] = asyncio.get_running_loop().create_future()
         self.queries[query_id] = future
         try:
-            self.to_scheduler.send(SchedulerQuery(query_id=query_id, kind=kind))
+            self.to_scheduler.send(SchedulerQuery(query_id=query_id, kind=kind, since=since))
             return await asyncio.wait_for(future, timeout)
         finally:
             self.queries.pop(query_id, None)

@@ -20,7 +20,9 @@ from tokenizer_proc.errors import (ApiError, AuthenticationError, PayloadTooLarg
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-OPEN_PATHS = frozenset({"/health"})  # answer without the API key (load balancer probes)
+# Answer without the API key: load balancer probes, and the dashboard page (it
+# holds no data; it asks for the key and sends it with its /timeline calls).
+OPEN_PATHS = frozenset({"/health", "/dashboard"})
 API_KEY = web.AppKey("api_key", str)  # "" means no key needed
 MAX_BODY = web.AppKey("max_body", int)
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -94,6 +96,30 @@ async def flush_cache(request: web.Request) -> web.Response:
     if not reply.ok:
         raise BadRequestError(reply.message)
     return web.Response(text=reply.message + "\n")
+
+
+DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
+
+
+async def timeline(request: web.Request) -> web.Response:
+    """The scheduler's recent events, newer than ?since=<unix time> (default: all kept)."""
+    try:
+        since = float(request.query.get("since", "0"))
+    except ValueError:
+        raise BadRequestError("since must be a number (seconds since the epoch)") from None
+    if not math.isfinite(since):
+        raise BadRequestError("since must be finite")
+    try:
+        reply = await request.app[MANAGER].query_scheduler("timeline", SCHEDULER_QUERY_TIMEOUT,
+                                                           since=since)
+    except asyncio.TimeoutError:
+        raise ServiceUnavailableError("the scheduler did not answer") from None
+    return json_response(reply.data)
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    """A self-contained page (no build step, no network fetch) that polls /timeline."""
+    return web.Response(text=DASHBOARD_HTML.read_text(), content_type="text/html")
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -68,3 +68,11 @@ def test_histogram_buckets_are_cumulative() -> None:
     assert 'batchserve_x_bucket{le="2.0"} 3' in lines
     assert 'batchserve_x_bucket{le="+Inf"} 4' in lines
     assert "batchserve_x_count 4" in lines and "batchserve_x_sum 6.5" in lines
+
+
+def test_timeline_rejects_a_bad_since_and_dashboard_is_served(server: Server) -> None:
+    assert get(server, "/timeline?since=abc")[0] == 400
+    assert get(server, "/timeline?since=nan")[0] == 400
+    status, ctype, raw = get(server, "/dashboard")
+    assert status == 200 and ctype.startswith("text/html") and b"/timeline" in raw
+    assert b"http://" not in raw and b"https://" not in raw  # works offline: nothing fetched

@@ -1,0 +1,134 @@
+"""Draw a recorded scheduler timeline as a PNG Gantt chart (matplotlib).
+
+    python -m bench.timeline_plot --url http://127.0.0.1:30000 -o timeline.png
+    python -m bench.timeline_plot --input timeline.json -o timeline.png
+
+The input is what GET /timeline returns ({"events": [...]}) or just the event
+list. One row per request (queued, prefilling, decoding, retracted), and the
+batch size below, as the live /dashboard draws them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+COLORS = {"queued": "#c8c8c8", "prefill": "#f29e38", "decode": "#3b7dd8", "retracted": "#d83b3b"}
+
+
+@dataclass
+class RequestRow:
+    rid: str
+    arrived: float
+    segments: list[tuple[str, float, float | None]] = field(default_factory=list)  # state, start, end
+
+    def enter(self, state: str, t: float) -> None:
+        if self.segments and self.segments[-1][2] is None:
+            last_state, start, _ = self.segments[-1]
+            if last_state == state:
+                return
+            self.segments[-1] = (last_state, start, t)
+        self.segments.append((state, t, None))
+
+    def close(self, t: float) -> None:
+        if self.segments and self.segments[-1][2] is None:
+            state, start, _ = self.segments[-1]
+            self.segments[-1] = (state, start, t)
+
+
+def build_rows(events: list[dict[str, Any]]) -> tuple[list[RequestRow], list[dict[str, Any]]]:
+    """Request rows (by arrival) and step events, from timeline events in time order."""
+    rows: dict[str, RequestRow] = {}
+    steps: list[dict[str, Any]] = []
+    resuming: set[str] = set()  # re-admitted rows decode once their prefill step ends
+    for e in sorted(events, key=lambda e: (e["t"], e.get("seq", 0))):
+        if e["type"] == "step":
+            steps.append(e)
+            for rid in resuming:
+                rows[rid].enter("decode", e["t"])
+            resuming.clear()
+            continue
+        row = rows.setdefault(e["rid"], RequestRow(e["rid"], e["t"]))
+        kind = e["event"]
+        if kind == "arrived":
+            row.enter("queued", e["t"])
+        elif kind in ("admitted", "chunk"):
+            row.enter("prefill", e["t"])
+        elif kind == "readmitted":
+            row.enter("prefill", e["t"])
+            resuming.add(e["rid"])
+        elif kind == "first_token":
+            row.enter("decode", e["t"])
+        elif kind == "retracted":
+            row.enter("retracted", e["t"])
+        elif kind == "finished":
+            row.close(e["t"])
+            resuming.discard(e["rid"])
+    return sorted(rows.values(), key=lambda r: r.arrived), steps
+
+
+def plot_timeline(events: list[dict[str, Any]], path: str, title: str = "scheduler timeline") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows, steps = build_rows(events)
+    if not rows:
+        raise ValueError("the timeline holds no request events")
+    t0 = min(r.arrived for r in rows)
+    t_end = max([e["t"] for e in events])
+    fig, (gantt, batch) = plt.subplots(
+        2, 1, figsize=(10, 2.0 + 0.28 * len(rows) + 1.6), sharex=True,
+        gridspec_kw={"height_ratios": [max(2.0, 0.28 * len(rows)), 1.2]})
+    for i, row in enumerate(rows):
+        for state, start, end in row.segments:
+            stop = t_end if end is None else end
+            gantt.broken_barh([(start - t0, max(stop - start, 1e-3))], (i - 0.4, 0.8),
+                              facecolors=COLORS[state])
+    gantt.set_yticks(range(len(rows)), [r.rid[:10] for r in rows], fontsize=7)
+    gantt.invert_yaxis()
+    gantt.set_title(title)
+    gantt.legend(handles=[Patch(color=c, label=s) for s, c in COLORS.items()],
+                 loc="upper right", fontsize=7, ncol=4)
+    xs = [e["t"] - t0 for e in steps]
+    batch.step(xs, [e["batch_size"] for e in steps], where="post", color="#3b7dd8")
+    batch.set_ylabel("rows in step", fontsize=8)
+    batch.set_xlabel("seconds since the first arrival")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def load_events(source: Any) -> list[dict[str, Any]]:
+    return source["events"] if isinstance(source, dict) else list(source)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", help="a JSON file saved from GET /timeline")
+    src.add_argument("--url", help="a running server's base URL")
+    parser.add_argument("--api-key", default="")
+    parser.add_argument("-o", "--output", required=True)
+    parser.add_argument("--title", default="scheduler timeline")
+    args = parser.parse_args()
+    if args.input:
+        with open(args.input) as f:
+            events = load_events(json.load(f))
+    else:
+        req = urllib.request.Request(args.url.rstrip("/") + "/timeline")
+        if args.api_key:
+            req.add_header("Authorization", f"Bearer {args.api_key}")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            events = load_events(json.load(resp))
+    plot_timeline(events, args.output, args.title)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""A bounded record of what the scheduler did: per-request events and per-step stats.
+
+Served at GET /timeline?since=<t> and drawn by /dashboard and bench/timeline_plot.py.
+The ring buffer drops the oldest events beyond its bound, so memory stays flat
+under any load; recording is one small dict per event.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+DEFAULT_CAPACITY = 50_000  # events kept (~100 bytes each in msgpack)
+
+# Request events, in the order a request can go through them.
+REQ_EVENTS = ("arrived", "admitted", "chunk", "first_token", "retracted", "readmitted", "finished")
+
+
+class Timeline:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.events: deque[dict[str, Any]] = deque(maxlen=capacity)
+        self.seq = 0  # events ever recorded; a client can tell it missed some
+
+    def _add(self, event: dict[str, Any]) -> None:
+        self.seq += 1
+        event["seq"] = self.seq
+        self.events.append(event)
+
+    def request(self, rid: str, event: str, t: float | None = None, **fields: Any) -> None:
+        self._add({"t": time.time() if t is None else t, "type": "req", "rid": rid,
+                   "event": event, **fields})
+
+    def step(self, *, kind: str, batch_size: int, tokens: int, kv_usage: float, step_time: float,
+             t: float | None = None) -> None:
+        self._add({"t": time.time() if t is None else t, "type": "step", "kind": kind,
+                   "batch_size": batch_size, "tokens": tokens, "kv_usage": kv_usage,
+                   "step_time": step_time})
+
+    def since(self, t: float, limit: int = 20_000) -> list[dict[str, Any]]:
+        """Events newer than `t` (the oldest first), at most `limit` of them."""
+        out: list[dict[str, Any]] = []
+        for event in reversed(self.events):
+            if event["t"] <= t or len(out) >= limit:
+                break
+            out.append(event)
+        out.reverse()
+        return out
