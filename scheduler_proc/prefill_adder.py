@@ -62,13 +62,7 @@ class PrefillAdder:
             return
         if req.kv_len + extend < req.seq_len:
             self.new_chunked_req = req
-        req.extend_input_len = extend
-        self.can_run.append(req)
-        self.rem_running -= 1
-        self.rem_total_tokens -= extend
-        self.rem_prefill_tokens -= extend
-        if self.rem_chunk_tokens is not None:
-            self.rem_chunk_tokens -= extend
+        self._admit(req, extend, promised=extend)
 
     def try_add(self, req: Req) -> bool:
         """Admit `req` (sets req.extend_input_len) if it fits; False means stop
@@ -89,11 +83,16 @@ class PrefillAdder:
                 return False
             extend = self.rem_chunk_tokens
             self.new_chunked_req = req
+        self._admit(req, extend, promised=need)
+        return True
+
+    def _admit(self, req: Req, extend: int, promised: float) -> None:
+        """Take `req` into this batch: it computes `extend` tokens now and is
+        promised `promised` KV slots of the budget."""
         req.extend_input_len = extend
         self.can_run.append(req)
         self.rem_running -= 1
-        self.rem_total_tokens -= need
+        self.rem_total_tokens -= promised
         self.rem_prefill_tokens -= extend
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend
-        return True
