@@ -89,6 +89,7 @@ class Sampler:
         before = sorted_p.cumsum(dim=-1) - sorted_p
         # (top_p == 1 is off: rounding in the cumsum must not cut the tail)
         cut = (rank >= k[:, None]) | ((before >= top_ps[:, None]) & (top_ps[:, None] < 1.0))
+        cut &= rank > 0  # a top_p that rounds to 0 in float32 must not cut every token
         sorted_p = sorted_p.masked_fill(cut, 0.0)
         return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
 

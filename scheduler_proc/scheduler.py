@@ -125,9 +125,15 @@ class Scheduler:
     def validate(self, req: Req) -> str | None:
         """The tokenizer process already checks these; a scheduler never trusts a peer."""
         n = len(req.origin_input_ids)
-        max_new = req.sampling_params.max_new_tokens
+        sp = req.sampling_params
+        max_new = sp.max_new_tokens
         if n == 0:
             return "the prompt is empty"
+        # out-of-range values would overflow the batch's int64 tensors and stop the loop
+        if not -1 <= sp.top_k < 2**31 or (sp.seed is not None and not -1 <= sp.seed < 2**63) \
+                or max_new < 1 or not all(0 <= t < self.model_info.vocab_size
+                                          for t in req.origin_input_ids):
+            return "sampling parameters or token ids out of range"
         if n + max_new > self.context_len:
             return (f"prompt ({n} tokens) plus max_new_tokens ({max_new}) exceeds the context "
                     f"length ({self.context_len})")

@@ -24,6 +24,11 @@ __all__ = ["BadRequestError", "GenerateInput", "parse_generate_request", "parse_
            "parse_sampling_params", "check_prompt_ids", "check_fits_context"]
 
 MAX_N = 128  # samples of one prompt
+# Bounds that keep every value inside the int64 tensors of the scheduler and the
+# model (sample k of n gets seed + k, so a seed leaves room for that).
+MAX_TOP_K = 2**31 - 1
+MAX_SEED = 2**63 - 1 - MAX_N
+MAX_TOKEN_ID = 2**31 - 1
 MAX_OUTPUTS = 1024  # requests one body may fan out into
 MAX_TOP_LOGPROBS = 100
 
@@ -78,14 +83,16 @@ def validate_sampling_params(sp: SamplingParams, prefix: str = "") -> None:
         raise BadRequestError(f"{prefix}temperature must be >= 0")
     if not 0 < sp.top_p <= 1:
         raise BadRequestError(f"{prefix}top_p must be in (0, 1]")
-    if sp.top_k < -1:
-        raise BadRequestError(f"{prefix}top_k must be -1 (off) or >= 1")
+    if not -1 <= sp.top_k <= MAX_TOP_K:
+        raise BadRequestError(f"{prefix}top_k must be -1 (off) or in [1, {MAX_TOP_K}]")
+    if sp.seed is not None and not 0 <= sp.seed <= MAX_SEED:
+        raise BadRequestError(f"{prefix}seed must be in [0, {MAX_SEED}]")
     if sp.top_k == 0:
         sp.top_k = -1  # 0 also means "off"
     if not 0 <= sp.min_p <= 1:
         raise BadRequestError(f"{prefix}min_p must be in [0, 1]")
-    if any(i < 0 for i in sp.stop_token_ids):
-        raise BadRequestError(f"{prefix}stop_token_ids must be >= 0")
+    if any(not 0 <= i <= MAX_TOKEN_ID for i in sp.stop_token_ids):
+        raise BadRequestError(f"{prefix}stop_token_ids must be in [0, {MAX_TOKEN_ID}]")
 
 
 def check_prompt_ids(ids: list[int], vocab_size: int) -> list[int]:

@@ -107,3 +107,13 @@ def test_sampled_frequencies_follow_the_tempered_distribution():
     assert counts[4:].sum() == 0
     # within ~5 standard deviations of the binomial counts
     assert ((counts[:4] - expected[:4]).abs() < 5 * expected[:4].sqrt() + 1).all()
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    import torch as _t
+
+    from model_proc.sampler import Sampler, SamplingBatch
+
+    logits = _t.tensor([[0.0, 3.0, 1.0, -2.0]])
+    params = SamplingBatch.from_lists([0.7], [5e-324], [-1], [0.0], [7], [0])
+    assert Sampler(0)(logits, params).tolist() == [1]

@@ -267,3 +267,16 @@ def test_queue_time_is_reported_per_request():
     h.run_until_idle()
     qt = {m.rids[i]: m.queue_times[i] for m in h.outputs for i in range(len(m.rids))}
     assert qt["b"] >= qt["a"] >= 0.0
+
+
+def test_out_of_range_values_from_a_peer_abort_one_request_not_the_loop():
+    from common.messages import TokenizedGenerateReq
+
+    h = Harness()
+    h.sched.process_input_requests([TokenizedGenerateReq(
+        rid="bad", input_ids=[5, 6], sampling_params=SamplingParams(top_k=2**40, max_new_tokens=3))])
+    assert h.finals()["bad"][0]["type"] == "abort"
+    h.submit("ok", n_prompt=3, max_new=3)
+    h.run_until_idle()
+    assert h.finals()["ok"][0]["type"] == "length"
+    h.assert_no_leak()

@@ -76,3 +76,11 @@ def test_timeline_rejects_a_bad_since_and_dashboard_is_served(server: Server) ->
     status, ctype, raw = get(server, "/dashboard")
     assert status == 200 and ctype.startswith("text/html") and b"/timeline" in raw
     assert b"http://" not in raw and b"https://" not in raw  # works offline: nothing fetched
+
+
+def test_integers_beyond_int64_get_400_not_a_crash(server: Server) -> None:
+    for sp in ({"top_k": 2**63}, {"seed": 2**63, "temperature": 0}, {"seed": -1},
+               {"stop_token_ids": [2**64]}, {"top_k": 2**64}):
+        status, _, raw = post(server, {"text": "hi", "sampling_params": {"max_new_tokens": 2, **sp}})
+        assert status == 400, (sp, raw)
+    assert post(server, {"text": "hi", "sampling_params": {"max_new_tokens": 2}})[0] == 200
