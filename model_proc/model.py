@@ -4,6 +4,11 @@ Everything runs on a flat token axis `[num_tokens, hidden]`: the rows of a
 batch are concatenated, so every op but attention is one per-token matmul
 no matter how ragged the batch is. Attention goes through the backend, which
 knows where each row starts (`AttentionMetadata`).
+
+Laid out for speed (the building blocks are in `layers.py`): q/k/v are one
+matmul and gate/up another; each RMSNorm's weight is folded into the matmul
+that follows it; rotary is applied in place to q and k together; the
+residual adds and the SiLU are fused into the matmuls where oneDNN can.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_proc.attention import AttentionBackend, AttentionMetadata
+from model_proc.layers import Linear, apply_rope_, fold_norm_weight, rms_norm
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -107,43 +113,25 @@ def llama3_scale(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, computed once; looked up once per step."""
+    """cos/sin tables for every position, computed once; looked up once per step.
+
+    Only half of each is kept: in the rotate-half layout both halves of the
+    table are the same frequencies (see `apply_rope_`).
+    """
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, head_dim], the rotate-half layout
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_pos, head_dim / 2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # [T, 1, head_dim]: broadcast over heads
+        # [T, 1, head_dim / 2]: broadcast over heads
         return self.cos[positions, None, :].to(dtype), self.sin[positions, None, :].to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
 # ---- layers -------------------------------------------------------------------------
-
-
-def _param(*shape: int) -> nn.Parameter:
-    # weights are filled by load_weights; no point initialising them
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = _param(dim)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
 
 
 class Attention(nn.Module):
@@ -155,60 +143,66 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         # q, k and v in one matmul: one pass over the activations instead of three
-        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, cfg.hidden_size)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if cfg.qkv_bias else None
-        self.o_proj = _param(cfg.hidden_size, self.q_size)
-        self.o_bias = _param(cfg.hidden_size) if cfg.o_bias else None
+        # (input_layernorm's weight is folded in)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = F.linear(x, self.qkv_proj, self.qkv_bias).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        """residual + attention(h), h the normed residual."""
+        n = h.shape[0]
+        qkv = self.qkv_proj(h)
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        # q and k heads are adjacent in each row: rotate them in one pass, in place
+        apply_rope_(qkv[:, :k_end].view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q = qkv[:, :q_end].view(n, self.num_heads, self.head_dim)
+        k = qkv[:, q_end:k_end].view(n, self.num_kv_heads, self.head_dim)
+        v = qkv[:, k_end:].view(n, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(q, k, v, self.layer_id, meta)
-        return F.linear(o.reshape(n, self.q_size), self.o_proj, self.o_bias)
+        return self.o_proj(o.reshape(n, self.q_size), add=residual)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size)  # fused, like qkv
-        self.gate_up_bias = _param(2 * cfg.intermediate_size) if cfg.mlp_bias else None
-        self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size)
-        self.down_bias = _param(cfg.hidden_size) if cfg.mlp_bias else None
+        # gate and up in one matmul, like qkv (post_attention_layernorm's weight folded in)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj, self.gate_up_bias).split(self.inter, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + mlp(h), h the normed residual."""
+        gate_up = self.gate_up_proj(h)
+        gate, up = gate_up[:, :self.inter], gate_up[:, self.inter:]
+        # in place in the matmul's output: no new [T, intermediate] tensors
+        act = F.silu(gate, inplace=True).mul_(up)
+        return self.down_proj(act, add=residual)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, backend: AttentionBackend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eps = cfg.rms_norm_eps
         self.self_attn = Attention(cfg, layer_id, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # the norms have no weight here: each is folded into the next matmul
+        x = self.self_attn(rms_norm(x, self.eps), x, cos, sin, meta)
+        return self.mlp(rms_norm(x, self.eps), x)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         self.rotary = RotaryEmbedding(cfg, max_positions)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        # its own matrix even when tied: the final norm's weight is folded in,
+        # and on a CPU it is packed for the matmul, which the embedding lookup can't use
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -220,11 +214,13 @@ class LlamaForCausalLM(nn.Module):
         # only the last token of each row is sampled: skip the rest of the
         # (vocab-sized) head for the prompt tokens of an extend
         last = x if meta.is_decode else x[meta.qo_indptr[1:] - 1]
-        return F.linear(self.norm(last), self.lm_head).float()
+        return self.lm_head(rms_norm(last, self.cfg.rms_norm_eps)).float()
 
     @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy a Hugging Face state dict in, fusing q/k/v and gate/up."""
+        """Copy a Hugging Face state dict in (fusing q/k/v and gate/up, folding
+        each RMSNorm weight into the next matmul), then prepare the matmuls for
+        the device. Call after the model is on its device and dtype."""
         def get(name: str) -> torch.Tensor:
             if name not in state:
                 raise KeyError(f"weight {name!r} missing from the checkpoint")
@@ -236,25 +232,31 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"shape mismatch: {tuple(param.shape)} vs {tuple(tensor.shape)}")
             param.copy_(tensor)
 
+        def cat(names: list[str]) -> torch.Tensor:
+            return torch.cat([get(n) for n in names])
+
         put(self.embed_tokens, get("model.embed_tokens.weight"))
-        if not self.cfg.tie_word_embeddings:
-            put(self.lm_head, get("lm_head.weight"))
-        put(self.norm.weight, get("model.norm.weight"))
+        head = get("model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight")
+        put(self.lm_head.weight, fold_norm_weight(head, get("model.norm.weight")))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = ("q_proj", "k_proj", "v_proj")
-            put(attn.qkv_proj, torch.cat([get(f"{p}self_attn.{n}.weight") for n in qkv]))
-            if attn.qkv_bias is not None:
-                put(attn.qkv_bias, torch.cat([get(f"{p}self_attn.{n}.bias") for n in qkv]))
-            put(attn.o_proj, get(f"{p}self_attn.o_proj.weight"))
-            if attn.o_bias is not None:
-                put(attn.o_bias, get(f"{p}self_attn.o_proj.bias"))
-            put(mlp.gate_up_proj, torch.cat([get(f"{p}mlp.gate_proj.weight"), get(f"{p}mlp.up_proj.weight")]))
-            if mlp.gate_up_bias is not None:
-                put(mlp.gate_up_bias, torch.cat([get(f"{p}mlp.gate_proj.bias"), get(f"{p}mlp.up_proj.bias")]))
-            put(mlp.down_proj, get(f"{p}mlp.down_proj.weight"))
-            if mlp.down_bias is not None:
-                put(mlp.down_bias, get(f"{p}mlp.down_proj.bias"))
-            put(layer.input_layernorm.weight, get(f"{p}input_layernorm.weight"))
-            put(layer.post_attention_layernorm.weight, get(f"{p}post_attention_layernorm.weight"))
+            qkv = [f"{p}self_attn.{n}_proj" for n in "qkv"]
+            put(attn.qkv_proj.weight, fold_norm_weight(cat([f"{n}.weight" for n in qkv]),
+                                                       get(f"{p}input_layernorm.weight")))
+            if attn.qkv_proj.bias is not None:
+                put(attn.qkv_proj.bias, cat([f"{n}.bias" for n in qkv]))
+            put(attn.o_proj.weight, get(f"{p}self_attn.o_proj.weight"))
+            if attn.o_proj.bias is not None:
+                put(attn.o_proj.bias, get(f"{p}self_attn.o_proj.bias"))
+            gate_up = [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"]
+            put(mlp.gate_up_proj.weight, fold_norm_weight(cat([f"{n}.weight" for n in gate_up]),
+                                                          get(f"{p}post_attention_layernorm.weight")))
+            if mlp.gate_up_proj.bias is not None:
+                put(mlp.gate_up_proj.bias, cat([f"{n}.bias" for n in gate_up]))
+            put(mlp.down_proj.weight, get(f"{p}mlp.down_proj.weight"))
+            if mlp.down_proj.bias is not None:
+                put(mlp.down_proj.bias, get(f"{p}mlp.down_proj.bias"))
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepare()

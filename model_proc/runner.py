@@ -16,9 +16,11 @@ import torch
 from common.messages import ForwardBatch, ForwardResult, ModelInfo
 from common.server_args import ServerArgs
 from model_proc.attention import create_attention_backend
+from model_proc.dtypes import dtype_name, resolve_dtype
 from model_proc.kv_cache import KVPool, ReqToTokenTable, kv_pool_size
 from model_proc.model import LlamaForCausalLM, ModelConfig
 from model_proc.sampler import Sampler, SamplingBatch
+from model_proc.step_stats import DecodeStepStats
 from model_proc.weights import load_state_dict, resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -28,7 +30,7 @@ class ModelRunner:
     def __init__(self, server_args: ServerArgs) -> None:
         sa = self.server_args = server_args
         self.device = torch.device(sa.device)
-        self.dtype: torch.dtype = getattr(torch, sa.dtype)
+        self.dtype = resolve_dtype(sa.dtype, self.device)
         self.model_path = resolve_model_path(sa.model_path, sa.cache_dir)
         config = _read_json(os.path.join(self.model_path, "config.json"))
         cfg = self.model_config = ModelConfig.from_dict(config)
@@ -51,9 +53,10 @@ class ModelRunner:
             sa.attention_backend, self.kv_pool, self.req_to_token, scale=cfg.head_dim ** -0.5)
         self.model = LlamaForCausalLM(cfg, self.attn_backend, max_positions=self.context_len)
         self.model.to(device=self.device, dtype=self.dtype)
-        self.model.load_weights(state)
+        self.model.load_weights(state)  # also packs the matmuls for the device
         del state
         self.sampler = Sampler(sa.random_seed, self.device)
+        self.step_stats = DecodeStepStats()
         self.model_info = ModelInfo(
             model_path=self.model_path,
             tokenizer_path=sa.tokenizer_path or self.model_path,
@@ -62,7 +65,7 @@ class ModelRunner:
             max_total_tokens=self.max_total_tokens,
             vocab_size=cfg.vocab_size,
             eos_token_ids=_eos_token_ids(self.model_path, config),
-            dtype=sa.dtype,
+            dtype=dtype_name(self.dtype),
             device=sa.device,
             kv_cache_bytes=self.kv_pool.nbytes,
         )
@@ -78,6 +81,7 @@ class ModelRunner:
         if batch.return_logprob:
             self._add_logprobs(result, logits, next_ids, batch.top_logprobs_nums)
         result.forward_time = time.perf_counter() - start
+        self.step_stats.record(batch.forward_mode, len(batch.req_pool_indices), start, result.forward_time)
         return result
 
     @staticmethod

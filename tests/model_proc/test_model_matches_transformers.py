@@ -73,3 +73,14 @@ def test_llama_variants_equal_transformers(overrides, tmp_path, make_runner):
     folder = make_tiny_llama(str(tmp_path), seed=2, **overrides)
     long_prompt = [(i * 37) % 500 + 3 for i in range(90)]  # past the llama3 original context
     run_extend_then_decode(make_runner(folder), load_hf(folder), [long_prompt, PROMPTS[1]], steps=2)
+
+
+def test_plain_torch_matmuls_equal_transformers_too(tiny_llama_dir, tiny_llama_hf, make_runner, monkeypatch):
+    """The path without oneDNN packing (a GPU's, or a CPU without oneDNN):
+    F.linear plus the epilogues as separate ops."""
+    from model_proc.layers import Linear
+
+    monkeypatch.setattr(Linear, "use_onednn", False)
+    runner = make_runner(tiny_llama_dir)
+    assert all(m.packed is None for m in runner.model.modules() if isinstance(m, Linear))
+    run_extend_then_decode(runner, tiny_llama_hf, PROMPTS, steps=2)

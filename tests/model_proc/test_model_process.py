@@ -22,7 +22,7 @@ PROMPT = [1, 45, 300, 12, 7]
 @pytest.fixture
 def model_process(tiny_llama_dir, tmp_path):
     ipc = IpcPaths.in_dir(str(tmp_path))
-    args = ServerArgs(model_path=tiny_llama_dir, max_total_tokens=64, max_running_requests=2)
+    args = ServerArgs(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=64, max_running_requests=2)
     ctx = zmq.Context()
     launcher = PullSocket(ctx, ipc.launcher, ReadyMsg)
     results = PullSocket(ctx, ipc.model_output, ForwardResult)

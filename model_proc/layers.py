@@ -1,0 +1,124 @@
+"""The per-token building blocks of the decoder, written for speed on a CPU.
+
+`Linear` is a weight that is prepared once, after loading, for the device it
+will run on; on a CPU it becomes a oneDNN pre-packed weight, because
+measured on this project's 2-core AVX-512 machine (bench/RESULTS.md):
+
+- MKL's float32 `F.linear` runs a single-row (decode at batch 1) matmul on
+  one thread; oneDNN's uses both and, pre-packed, reads the weight at close
+  to the memory bandwidth (the whole model's matmuls: ~21 ms vs ~43 ms).
+- pre-packing (the blocked layout oneDNN wants) is done once instead of on
+  every call, and oneDNN can fuse the epilogue that follows the matmul: the
+  residual add, SiLU, the gate * up product. One dispatch instead of two or
+  three matters at batch 1, where a layer is ~15 small ops.
+
+Everything else on a GPU (or without oneDNN) stays `F.linear` plus the same
+epilogue as separate ops: same results up to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Batch-size hint oneDNN packs for. The packed layout serves any number of
+# rows; 16 was as fast as any other hint at 1..128 rows in float32 and
+# bfloat16, and clearly better than none in float32 (bench/RESULTS.md).
+PACK_HINT_ROWS = 16
+
+
+def onednn_supports(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `Linear` can pre-pack for oneDNN here."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        # avx512_bf16 / AMX; without them oneDNN emulates bf16, slower than float32
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
+
+
+class Linear(nn.Module):
+    """y = x @ W.T + b, optionally followed by a fused epilogue.
+
+    Holds a plain `weight` [out, in] until `prepare` packs it (after the
+    weights are loaded and any norm folded in). Epilogues: `act="silu"`,
+    `add=t` (y + t, the residual), `mul=t` (y * t).
+    """
+
+    # class-wide switch, so a benchmark can compare against plain F.linear
+    use_onednn = True
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        # weights are filled by load_weights; no point initialising them
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def prepare(self) -> None:
+        """Pack the weight for oneDNN when it pays; the plain copy is then dropped."""
+        w = self.weight
+        if self.use_onednn and onednn_supports(w.device, w.dtype):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_HINT_ROWS)
+            # the packed copy is all forward needs: don't hold the weight twice
+            self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, act: str = "", add: torch.Tensor | None = None,
+                mul: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is not None:
+            return self._onednn(x, act, add, mul)
+        y = F.linear(x, self.weight, self.bias)
+        if act == "silu":
+            y = F.silu(y, inplace=True)
+        if add is not None:
+            y += add
+        if mul is not None:
+            y *= mul
+        return y
+
+    def _onednn(self, x: torch.Tensor, act: str, add: torch.Tensor | None,
+                mul: torch.Tensor | None) -> torch.Tensor:
+        if add is not None or mul is not None:
+            assert not act, "one epilogue at a time"
+            other, kind = (add, "add") if add is not None else (mul, "mul")
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, kind)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias,
+                                                  "swish" if act == "silu" else "none", [], "")
+
+
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without its weight: the weight is folded into the next matmul.
+
+    torch's rms_norm computes in float32 for a bfloat16 input, as transformers'
+    RMSNorm does after its explicit upcast (bit-identical, tested), so the
+    model needs no `.float()` / `.to(dtype)` of its own around it.
+    """
+    return F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary embedding in place, rotate-half layout.
+
+    x [T, heads, D] (a view into the fused qkv output, q and k heads side by
+    side, so both get one pass); cos/sin [T, 1, D/2]: the table's two halves
+    are equal, so only one is kept. With x = (x1, x2):
+    x1' = x1*cos - x2*sin, x2' = x2*cos + x1*sin.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    x1_old = x1.clone()
+    x1.mul_(cos).addcmul_(x2, sin, value=-1.0)
+    x2.mul_(cos).addcmul_(x1_old, sin)
+
+
+def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """W @ diag(g): a linear after an RMSNorm with weight g, as one matrix.
+
+    Computed in float32 and rounded once into the model dtype. In float32 the
+    product differs from the unfused norm-then-matmul by float rounding only.
+    """
+    return (weight.float() * norm_weight.float()[None, :]).to(weight.dtype)
