@@ -212,7 +212,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--model", default=None, help="OpenAI 'model' field (default: the server's first model)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the server's, else the bundled model's)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder (default: the server's, else the bundled model's)")
     p.add_argument("--dataset-name", choices=DATASETS, default="random")
     p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt only; nothing is downloaded)")
     p.add_argument("--num-prompts", type=int, default=None,

@@ -14,6 +14,34 @@ import time
 PSI_CPU = "/proc/pressure/cpu"
 
 
+def some_avg(window: int = 10, path: str = PSI_CPU) -> float | None:
+    """Share of the last `window` (10, 60 or 300) seconds in which some task
+    waited for a CPU (0..1), as the kernel averages it."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("some"):
+                    return float(line.split(f"avg{window}=", 1)[1].split()[0]) / 100
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def wait_for_quiet(threshold: float, timeout: float, poll: float = 5.0, path: str = PSI_CPU) -> float | None:
+    """Block until the CPU has been quiet for a while (the 10 s and the 60 s
+    averages both below threshold) or timeout seconds passed; returns the
+    larger of the two last readings. On a shared machine this keeps a mode from
+    being measured while someone else's job holds the cores; the 60 s average
+    skips the short gaps between another job's bursts."""
+    deadline = time.monotonic() + timeout
+    while True:
+        readings = [some_avg(w, path) for w in (10, 60)]
+        level = None if None in readings else max(r for r in readings if r is not None)
+        if level is None or level < threshold or time.monotonic() >= deadline:
+            return level
+        time.sleep(poll)
+
+
 def some_total_us(path: str = PSI_CPU) -> int | None:
     try:
         with open(path) as f:

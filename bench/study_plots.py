@@ -50,26 +50,27 @@ def throughput_by_mode(rows: Sequence[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def static_utilisation_vs_b(mean: float, measured: Sequence[tuple[str, int, float]], path: str,
+def static_utilisation_vs_b(means: Sequence[float], measured: Sequence[tuple[str, int, float]], path: str,
                             seed: int = 0, max_b: int = 64) -> None:
     """Utilisation of a static batch against B: the chapter's 1/H_B, the
-    sampled E[mean/max] for exponential lengths (exact and rounded to tokens at
-    the trace's mean), and measured points (label, B, utilisation)."""
+    sampled E[mean/max] for exponential lengths (exact, and rounded to whole
+    tokens at each trace's mean), and measured points (label, B, utilisation)."""
     plt = _pyplot()
     rng = np.random.default_rng(seed)
     bs = [b for b in range(1, max_b + 1)]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     ax.plot(bs, [1 / harmonic(b) for b in bs], "k--", label="1/H_B (chapter's approximation)")
     ax.plot(bs, [expected_utilisation(b, 1.0, rng, 4000) for b in bs], "C0-", label="E[mean/max], exponential")
-    ax.plot(bs, [expected_utilisation(b, mean, rng, 4000, rounded=True) for b in bs], "C1:",
-            label=f"E[mean/max], whole tokens, mean {mean:g}")
+    for k, mean in enumerate(dict.fromkeys(means)):
+        ax.plot(bs, [expected_utilisation(b, mean, rng, 4000, rounded=True) for b in bs], ":",
+                color=f"C{k + 1}", label=f"E[mean/max], whole tokens, mean {mean:g}")
     series: dict[str, list[tuple[int, float]]] = {}
     for label, b, u in measured:  # points sharing a label are one series
         series.setdefault(label, []).append((b, u))
     for k, (label, pts) in enumerate(series.items()):
         bs_, us = zip(*sorted(pts))
         text = f"{label}: {us[0]:.3f}" if len(pts) == 1 else label
-        ax.plot(bs_, us, "o" if len(pts) == 1 else "s-", color=f"C{k + 2}", label=text)
+        ax.plot(bs_, us, "o" if len(pts) == 1 else "s-", color=f"C{k + 3}", label=text)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size B")
     ax.set_ylabel("utilisation (useful / computed row-steps)")
@@ -103,11 +104,11 @@ def ttft_cdf(runs: Sequence[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def draw_all(rows: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]], exp_mean: float,
+def draw_all(rows: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]], means: Sequence[float],
              measured: Sequence[tuple[str, int, float]], out_dir: str) -> list[str]:
     paths = [os.path.join(out_dir, n) for n in
              ("throughput_by_mode.png", "static_utilisation_vs_B.png", "ttft_cdf.png")]
     throughput_by_mode(rows, paths[0])
-    static_utilisation_vs_b(exp_mean, measured, paths[1])
+    static_utilisation_vs_b(means, measured, paths[1])
     ttft_cdf(runs, paths[2])
     return paths

