@@ -2,8 +2,18 @@
 
 Starts the model process, then (with the model's limits in hand) the scheduler
 and the tokenizer/HTTP process; they talk only over ZMQ ipc:// sockets in a
-private 0700 folder, removed at exit. Ctrl-C or SIGTERM stops every child; if a
-child dies, the whole server exits non-zero instead of hanging.
+private 0700 folder, removed at exit.
+
+Stopping:
+- Ctrl-C or SIGTERM: an orderly stop, front to back. The tokenizer process
+  stops accepting and lets requests in flight finish (up to
+  --shutdown-timeout, then aborts them); once it has exited, the scheduler and
+  the model are stopped. Exit code 0. A second Ctrl-C/SIGTERM cuts the wait
+  short.
+- A child dies: the tokenizer process is told (SIGUSR1) to end everything in
+  flight with an error at once, every other child is stopped, exit code 1.
+Children also watch each other (`common.peer_watch`) and die with launch.py
+(PR_SET_PDEATHSIG), so none outlives the server even if launch.py is killed.
 """
 
 from __future__ import annotations
@@ -16,17 +26,22 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import zmq
 
 from common.ipc import PullSocket
 from common.messages import IpcPaths, ModelInfo, ReadyMsg
+from common.peer_watch import remove_pids, write_pids, write_stop_reason
 from common.proc import ChildConfig, child_env, setup_logging
 from common.server_args import ServerArgs
 
 logger = logging.getLogger("launch")
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CHILD_STOP_TIMEOUT_S = 5.0
+CHILD_STOP_TIMEOUT_S = 5.0  # SIGTERM to SIGKILL, for the scheduler and the model
+TOKENIZER_STOP_MARGIN_S = 5.0  # on top of --shutdown-timeout: handlers answering, cleanup
+FAIL_FAST_WAIT_S = 5.0  # a child died: how long the tokenizer gets to answer everyone
+POLL_S = 0.1
 
 
 class ChildDied(RuntimeError):
@@ -42,18 +57,29 @@ class Launcher:
         self.ctx = zmq.Context()
         self.ready: PullSocket[ReadyMsg] = PullSocket(self.ctx, self.ipc.launcher, ReadyMsg)
         self.children: dict[str, subprocess.Popen] = {}
-        self.stop_requested = False
+        self.signals_received = 0  # Ctrl-C/SIGTERM count: the first stops, the second hurries
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.signals_received > 0
 
     def spawn(self, name: str, module: str, model_info: ModelInfo | None) -> None:
         cfg = ChildConfig(server_args=self.args, ipc=self.ipc, model_info=model_info)
         self.children[name] = subprocess.Popen([sys.executable, "-m", module],
                                                env=child_env(cfg), cwd=ROOT)
 
-    def check_children(self) -> None:
+    def dead_child(self) -> str | None:
+        """A message naming the first child that has exited, or None."""
         for name, proc in self.children.items():
             code = proc.poll()
             if code is not None:
-                raise ChildDied(f"the {name} process exited with code {code}")
+                return f"the {name} process exited with code {code}"
+        return None
+
+    def check_children(self) -> None:
+        dead = self.dead_child()
+        if dead is not None:
+            raise ChildDied(dead)
 
     def wait_ready(self, names: set[str]) -> dict[str, ReadyMsg]:
         got: dict[str, ReadyMsg] = {}
@@ -76,14 +102,80 @@ class Launcher:
                     model_info.kv_cache_bytes / 2**20)
         self.spawn("scheduler", "scheduler_proc", model_info)
         self.spawn("tokenizer", "tokenizer_proc", model_info)
+        write_pids(self.ipc_dir, {name: p.pid for name, p in self.children.items()})
         self.wait_ready({"scheduler", "tokenizer"})
         print(f"The server is ready at http://{self.args.host}:{self.args.port}", flush=True)
         while not self.stop_requested:
             self.check_children()
-            time.sleep(0.2)
-        return 0
+            time.sleep(POLL_S)
+        return self.stop_in_order()
+
+    # ---- stopping -----------------------------------------------------------------------
+
+    def signal_tokenizer(self, sig: int) -> None:
+        proc = self.children.get("tokenizer")
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+
+    def abort_in_flight(self, reason: str) -> None:
+        """Tells the tokenizer process to end every request now, saying why."""
+        write_stop_reason(self.ipc_dir, reason)
+        self.signal_tokenizer(signal.SIGUSR1)
+
+    def wait_tokenizer(self, timeout: float, on_tick: Callable[[], None] | None = None) -> bool:
+        """Waits up to `timeout` s for the tokenizer process to exit; True if it did."""
+        proc = self.children.get("tokenizer")
+        deadline = time.monotonic() + timeout
+        while proc is not None and proc.poll() is None:
+            if time.monotonic() >= deadline:
+                return False
+            if on_tick is not None:
+                on_tick()
+            time.sleep(POLL_S)
+        return True
+
+    def stop_in_order(self) -> int:
+        """Ctrl-C/SIGTERM: the tokenizer drains first; the scheduler and model
+        keep serving it meanwhile and are stopped (in `shutdown`) once it is gone."""
+        logger.info("stopping: requests in flight get up to %g s (--shutdown-timeout)",
+                    self.args.shutdown_timeout)
+        remove_pids(self.ipc_dir)  # from now on launch.py alone decides who stops when
+        self.signal_tokenizer(signal.SIGTERM)
+        hurried = False
+        exit_code = 0
+
+        def on_tick() -> None:
+            nonlocal hurried, exit_code
+            if hurried:
+                return
+            dead = self.dead_child()
+            if self.signals_received > 1 or (dead is not None and "tokenizer" not in dead):
+                reason = dead or "asked twice to stop"
+                logger.warning("%s: aborting the requests in flight now", reason)
+                exit_code = 1 if dead is not None else 0
+                hurried = True
+                self.abort_in_flight(reason)
+
+        timeout = self.args.shutdown_timeout + TOKENIZER_STOP_MARGIN_S
+        if not self.wait_tokenizer(timeout, on_tick):
+            logger.error("the tokenizer process did not stop within %g s; killing it", timeout)
+            self.children["tokenizer"].kill()
+        if any(self.children[n].poll() is not None for n in ("scheduler", "model")):
+            exit_code = 1  # a child died while the tokenizer drained: not a clean stop
+        if not hurried and self.children["tokenizer"].poll() != 0:
+            exit_code = 1  # it failed, or had to be killed
+        return exit_code
+
+    def fail_fast(self, reason: str) -> None:
+        """A child died: the tokenizer process answers every client with an
+        error (it may have noticed already) before the rest is taken down."""
+        logger.error("%s; shutting the server down", reason)
+        remove_pids(self.ipc_dir)
+        self.abort_in_flight(reason)
+        self.wait_tokenizer(FAIL_FAST_WAIT_S)
 
     def shutdown(self) -> None:
+        """Stops every child still running (SIGTERM, then SIGKILL), removes the sockets."""
         for proc in self.children.values():
             if proc.poll() is None:
                 proc.terminate()
@@ -105,17 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     launcher = Launcher(args)
 
     def on_signal(signum: int, frame: object) -> None:
-        logger.info("received %s, shutting down", signal.Signals(signum).name)
-        launcher.stop_requested = True
+        launcher.signals_received += 1
+        logger.info("received %s, %s", signal.Signals(signum).name,
+                    "shutting down" if launcher.signals_received == 1 else "hurrying")
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
         return launcher.run()
     except ChildDied as e:
-        logger.error("%s; shutting the server down", e)
+        launcher.fail_fast(str(e))
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # stopped while starting: nothing is in flight yet
         return 0
     finally:
         launcher.shutdown()

@@ -1,6 +1,8 @@
 """The model process: receive a ForwardBatch, run it, send a ForwardResult.
 
-Started by launch.py as `python -m model_proc`.
+Started by launch.py as `python -m model_proc`. SIGTERM ends it at once; a
+peer watch ends it when the scheduler or tokenizer process dies (the loop
+would otherwise wait forever for the next batch).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import zmq
 
 from common.ipc import PullSocket, PushSocket
 from common.messages import ForwardBatch, ReadyMsg
+from common.peer_watch import PeerWatch, exit_when_lost
 from common.proc import child_main_setup
 from model_proc.runner import ModelRunner
 
@@ -20,6 +23,7 @@ logger = logging.getLogger("model_proc")
 
 def main() -> None:
     cfg = child_main_setup("model")
+    exit_when_lost(PeerWatch(cfg.ipc, "model"), logger)  # also while the weights load
     try:
         runner = ModelRunner(cfg.server_args)
         ctx = zmq.Context()

@@ -1,4 +1,10 @@
-"""The scheduler process: `python -m scheduler_proc` (started by launch.py)."""
+"""The scheduler process: `python -m scheduler_proc` (started by launch.py).
+
+SIGTERM (from launch.py, or from Linux when launch.py dies) ends it at once:
+the tokenizer process has already answered every client by then. A peer
+watch ends it too when the model or tokenizer process dies, even while the
+loop is blocked waiting for a model step that will never come.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import zmq
 
 from common.ipc import PullSocket, PushSocket
 from common.messages import ReadyMsg, ToSchedulerMsg
+from common.peer_watch import PeerWatch, exit_when_lost
 from common.proc import child_main_setup
 from scheduler_proc.model_client import ZmqModelClient
 from scheduler_proc.scheduler import Scheduler
@@ -21,6 +28,7 @@ IDLE_POLL_MS = 1000  # how long an idle loop blocks on its input before looking 
 def main() -> None:
     cfg = child_main_setup("scheduler")
     assert cfg.model_info is not None, "the scheduler needs the model process's ModelInfo"
+    exit_when_lost(PeerWatch(cfg.ipc, "scheduler"), logger)
     ctx = zmq.Context()
     requests: PullSocket[ToSchedulerMsg] = PullSocket(ctx, cfg.ipc.scheduler_input, ToSchedulerMsg)
     to_tokenizer = PushSocket(ctx, cfg.ipc.tokenizer_input)
