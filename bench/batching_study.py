@@ -28,7 +28,10 @@ Prints one table per trace and writes under --out-dir: batching_study.json (one
 object per trace and mode: mode, trace, output_throughput tok/s,
 ratio_to_continuous, utilisation, ttft_p50, ttft_p99, itl_p50, itl_p99 in ms,
 plus where the utilisation came from), batching_study.md, the raw runs
-(batching_study_runs.jsonl) and three PNG plots when matplotlib is installed.
+(batching_study_runs.jsonl) and three PNG plots when matplotlib is installed;
+and, for each of our server's modes on the chapter trace, its scheduler
+timeline as read from GET /timeline before the server stopped
+(timeline_<mode>.json, and timeline_<mode>.png on one time axis for all modes).
 With --append-results the markdown also goes to bench/RESULTS.md (appended).
 """
 
@@ -51,7 +54,9 @@ from bench.bench_serving import load_client_tokenizer, run_benchmark
 from bench.cpu_pressure import CpuWait, wait_for_quiet
 from bench.datasets import chapter_lens, poisson_arrivals, rows_from_lengths, sample_rows
 from bench.server_launcher import LaunchedServer
-from bench.study_modes import MODES, NotRun, Trace, hf_serve_missing, run_mode, with_utilisation
+from bench.study_modes import (MODES, OUR_MODES, TIMELINE_TRACE, NotRun, Trace, hf_serve_missing, run_mode,
+                               with_utilisation)
+from bench.study_plots import draw_all, have_matplotlib, save_timelines
 from bench.study_report import add_ratios, machine_line, report, table_row
 
 TRACES = ("chapter", "exponential")
@@ -187,12 +192,14 @@ def say(msg: str) -> None:
 
 
 def run_all(args: argparse.Namespace, model_dir: str, traces: list[Trace], tokenizer: Any, log_dir: str
-            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
     """Every mode on every trace. A run during which other jobs held the CPU
     (CPU wait over --max-cpu-wait) is measured again, up to --retries times;
-    the least contended attempt is kept."""
+    the least contended attempt is kept. Also returns, per mode of our server,
+    the timeline events of the kept run of the chapter trace."""
     rows: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
+    timelines: dict[str, list[dict[str, Any]]] = {}
     batchers: dict[str, Any] = {}
     serve_missing = hf_serve_missing() if "hf-serve" in args.modes else None
     for trace in traces:
@@ -203,7 +210,7 @@ def run_all(args: argparse.Namespace, model_dir: str, traces: list[Trace], token
                 say(f"{trace.name} / {mode} ..." + (f" (attempt {attempt})" if attempt > 1 else ""))
                 t0 = time.perf_counter()
                 raw, status, share = measure(mode, trace, args, model_dir, tokenizer, log_dir, serve_missing,
-                                             batchers)
+                                             batchers, timeline=trace.name == TIMELINE_TRACE and mode in OUR_MODES)
                 say(f"{trace.name} / {mode}: {status}, {time.perf_counter() - t0:.0f} s"
                     + (f", {raw['output_throughput']:.1f} tok/s" if raw else "")
                     + (f", CPU wait {share:.0%}" if share is not None else ""))
@@ -213,21 +220,23 @@ def run_all(args: argparse.Namespace, model_dir: str, traces: list[Trace], token
                     break  # failures are not retried: they are not noise
             assert best is not None
             raw, status, share = best
+            if raw is not None and "timeline" in raw:
+                timelines[mode] = raw.pop("timeline")  # saved apart, not in the runs file
             rows.append({**table_row(trace.name, mode, raw, status, share), "attempts": attempt})
             if raw is not None:
                 runs.append({"trace": trace.name, "mode": mode, "cpu_wait": share, **raw})
     add_ratios(rows)
-    return rows, runs
+    return rows, runs, timelines
 
 
 def measure(mode: str, trace: Trace, args: argparse.Namespace, model_dir: str, tokenizer: Any, log_dir: str,
-            serve_missing: str | None, batchers: dict[str, Any]
+            serve_missing: str | None, batchers: dict[str, Any], timeline: bool = False
             ) -> tuple[dict[str, Any] | None, str, float | None]:
     """One attempt: (raw result or None, status, CPU wait share)."""
     raw, status = None, "ok"
     with CpuWait() as wait:
         try:
-            raw = run_mode(mode, trace, args, model_dir, tokenizer, log_dir, serve_missing, batchers)
+            raw = run_mode(mode, trace, args, model_dir, tokenizer, log_dir, serve_missing, batchers, timeline)
         except NotRun as e:
             status = f"not run: {e}"
         except Exception as e:  # one mode failing must not lose the others' numbers
@@ -250,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     log_dir = tempfile.mkdtemp(prefix="batching-study-")
     say(f"model {model_dir}; server logs in {log_dir}")
     with CpuWait() as wait:
-        rows, runs = run_all(args, model_dir, traces, tokenizer, log_dir)
+        rows, runs, timelines = run_all(args, model_dir, traces, tokenizer, log_dir)
         sweep = run_static_sweep(args, model_dir, tokenizer, log_dir) if args.static_sweep else []
 
     with open(os.path.join(args.out_dir, "batching_study.json"), "w") as f:
@@ -260,8 +269,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             f.write(json.dumps({k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
                                 for k, v in r.items()}) + "\n")
     plots: list[str] = []
+    draw = not args.no_plots and have_matplotlib()
+    saved_timelines = save_timelines(timelines, TIMELINE_TRACE, args.out_dir, draw)
     if not args.no_plots:
-        from bench.study_plots import draw_all, have_matplotlib
         if have_matplotlib():
             measured = [(f"{r['mode']} ({r['trace']})", args.batch_size, r["utilisation"]) for r in rows
                         if r["mode"] in ("static", "dynamic", "hf-static") and r["utilisation"] is not None]
@@ -270,13 +280,20 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             plots = draw_all(rows, runs, means, measured, args.out_dir)
         else:
             say("matplotlib is not installed: no plots (pip install matplotlib)")
-    text = report(args, argv, traces, rows, machine_start, time.perf_counter() - started, plots, sweep,
-                  wait.share)
-    with open(os.path.join(args.out_dir, "batching_study.md"), "w") as f:
+    elapsed, machine_end = time.perf_counter() - started, machine_line()
+
+    def text_for(md_path: str) -> str:  # image links relative to the file they are in
+        return report(args, argv, traces, rows, machine_start, elapsed, plots, sweep, wait.share,
+                      saved_timelines, link_dir=os.path.dirname(os.path.abspath(md_path)),
+                      machine_end=machine_end)
+
+    study_md = os.path.join(args.out_dir, "batching_study.md")
+    text = text_for(study_md)
+    with open(study_md, "w") as f:
         f.write(text + "\n")
     if args.append_results:
         with open(RESULTS_MD, "a") as f:  # append only: others append here too
-            f.write("\n" + text + "\n")
+            f.write("\n" + text_for(RESULTS_MD) + "\n")
     print(text)
     return rows
 

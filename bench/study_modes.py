@@ -5,20 +5,25 @@ where each mode's batch utilisation comes from."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from bench.backends import RequestConfig
-from bench.bench_serving import default_model_name, run_benchmark
+from bench.bench_serving import default_model_name, run_benchmark, warm_up
 from bench.datasets import DatasetRow
 from bench.server_launcher import LaunchedServer, free_port
+from bench.timeline_plot import fetch_timeline
 from bench.utilisation import batch_utilisation, groups_by_first_token
 
 MODES = ("serial", "static", "dynamic", "continuous", "hf-static", "hf-serve")
+OUR_MODES = ("serial", "static", "dynamic", "continuous")  # our server, which records a /timeline
+TIMELINE_TRACE = "chapter"  # the trace whose timelines are saved, one PNG per mode
 
 
 @dataclass
@@ -60,11 +65,19 @@ def with_utilisation(mode: str, raw: dict[str, Any], batch_size: int) -> dict[st
 
 
 def run_ours(mode: str, trace: Trace, args: argparse.Namespace, model_dir: str, tokenizer: Any,
-             log_dir: str) -> dict[str, Any]:
+             log_dir: str, timeline: bool = False) -> dict[str, Any]:
+    """With `timeline`, raw["timeline"] holds the server's /timeline events of
+    the trace (the warm-up request left out), read before the server stops."""
     log = os.path.join(log_dir, f"{trace.name}-{mode}.log")
     with LaunchedServer.ours(our_server_flags(mode, args, model_dir), log) as srv:
         cfg = RequestConfig(backend="sglang", base_url=srv.url)
-        raw = run_benchmark(cfg, trace.rows, trace.offsets, tokenizer, disable_tqdm=True)
+        w = asyncio.run(warm_up(cfg, trace.rows[0], tokenizer.decode))
+        if not w.success:
+            raise RuntimeError(f"warm-up request failed: {w.error}")
+        since = time.time()
+        raw = run_benchmark(cfg, trace.rows, trace.offsets, tokenizer, warmup_requests=0, disable_tqdm=True)
+        if timeline:
+            raw["timeline"] = fetch_timeline(srv.url, since)["events"]
     return with_utilisation(mode, raw, 1 if mode == "serial" else args.batch_size)
 
 
@@ -109,7 +122,9 @@ class NotRun(Exception):
 
 
 def run_mode(mode: str, trace: Trace, args: argparse.Namespace, model_dir: str, tokenizer: Any,
-             log_dir: str, serve_missing: str | None, batchers: dict[str, Any]) -> dict[str, Any]:
+             log_dir: str, serve_missing: str | None, batchers: dict[str, Any],
+             timeline: bool = False) -> dict[str, Any]:
+    """timeline: for our server's modes, also record its /timeline (see run_ours)."""
     if mode == "hf-serve":
         if serve_missing:
             raise NotRun(serve_missing)
@@ -119,4 +134,4 @@ def run_mode(mode: str, trace: Trace, args: argparse.Namespace, model_dir: str, 
             from bench.hf_static import HFStaticBatcher
             batchers["hf"] = HFStaticBatcher(model_dir)
         return run_hf_static(trace, args, batchers["hf"])
-    return run_ours(mode, trace, args, model_dir, tokenizer, log_dir)
+    return run_ours(mode, trace, args, model_dir, tokenizer, log_dir, timeline)

@@ -1,17 +1,21 @@
-"""The batching study's three figures (matplotlib, PNG, no display needed).
+"""The batching study's figures (matplotlib, PNG, no display needed): three
+summary plots, and one scheduler timeline per mode of our server.
 
 matplotlib is optional (the `bench` extra): `have_matplotlib()` says whether
-the figures can be drawn; the study writes its table either way.
+the figures can be drawn; the study writes its table (and the timelines'
+JSON) either way.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from typing import Any, Sequence
 
 import numpy as np
 
+from bench.timeline_plot import compact, plot_timeline, span, summary
 from bench.utilisation import expected_utilisation, harmonic
 
 
@@ -19,7 +23,7 @@ def have_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a server
@@ -30,7 +34,7 @@ def _pyplot() -> Any:
 
 def throughput_by_mode(rows: Sequence[dict[str, Any]], path: str) -> None:
     """One bar group per trace; modes that did not run are marked n/a."""
-    plt = _pyplot()
+    plt = pyplot()
     traces = list(dict.fromkeys(r["trace"] for r in rows))
     fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4.5), squeeze=False)
     for ax, trace in zip(axes[0], traces):
@@ -55,7 +59,7 @@ def static_utilisation_vs_b(means: Sequence[float], measured: Sequence[tuple[str
     """Utilisation of a static batch against B: the chapter's 1/H_B, the
     sampled E[mean/max] for exponential lengths (exact, and rounded to whole
     tokens at each trace's mean), and measured points (label, B, utilisation)."""
-    plt = _pyplot()
+    plt = pyplot()
     rng = np.random.default_rng(seed)
     bs = [b for b in range(1, max_b + 1)]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -84,7 +88,7 @@ def static_utilisation_vs_b(means: Sequence[float], measured: Sequence[tuple[str
 
 def ttft_cdf(runs: Sequence[dict[str, Any]], path: str) -> None:
     """Per trace, the empirical CDF of TTFT for every mode that ran."""
-    plt = _pyplot()
+    plt = pyplot()
     traces = list(dict.fromkeys(r["trace"] for r in runs))
     fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4.5), squeeze=False)
     for ax, trace in zip(axes[0], traces):
@@ -112,3 +116,24 @@ def draw_all(rows: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]], mea
     static_utilisation_vs_b(means, measured, paths[1])
     ttft_cdf(runs, paths[2])
     return paths
+
+
+def save_timelines(timelines: dict[str, list[dict[str, Any]]], trace: str, out_dir: str, draw: bool
+                   ) -> list[dict[str, Any]]:
+    """Per mode: timeline_<mode>.json (compact: times from the first event) and,
+    when `draw`, timeline_<mode>.png, every PNG on the same time axis (the
+    longest mode's span) so the modes compare at a glance. Returns per mode its
+    files and summary() numbers."""
+    kept = {mode: events for mode, events in timelines.items() if events}
+    xlim = max((span(events) for events in kept.values()), default=0.0) * 1.02 or None
+    saved = []
+    for mode, events in kept.items():
+        json_path = os.path.join(out_dir, f"timeline_{mode}.json")
+        with open(json_path, "w") as f:
+            json.dump({"mode": mode, "trace": trace, **compact(events)}, f, separators=(",", ":"))
+        png = None
+        if draw:
+            png = os.path.join(out_dir, f"timeline_{mode}.png")
+            plot_timeline(events, png, f"{mode} batching, trace {trace}", xlim=xlim)
+        saved.append({"mode": mode, "trace": trace, "json": json_path, "png": png, **summary(events)})
+    return saved

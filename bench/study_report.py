@@ -1,6 +1,6 @@
 """The batching study's table: one object per trace and mode, ratios to
 continuous batching, and the markdown written to batching_study.md (and,
-when asked, appended to bench/RESULTS.md)."""
+when asked, appended to bench/RESULTS.md), which shows the per-mode timelines."""
 
 from __future__ import annotations
 
@@ -14,6 +14,20 @@ from bench.study_modes import Trace
 from bench.utilisation import harmonic
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# What each mode's timeline shows (the figure: one row per request, grey queued,
+# orange prefilling, blue decoding, red retracted; below, the rows computed per step).
+TIMELINE_CAPTIONS = {
+    "serial": "one request at a time: each waits (grey) until the one before it has finished, "
+              "and every step computes one row",
+    "static": "a batch is whatever had arrived when the server was free; it runs until its longest "
+              "row finishes and nobody joins it, so rows that are done (bars ended) are still computed "
+              "(the rows-per-step line stays up) while the rest queue",
+    "dynamic": "like static, but a batch launches only when B requests wait or the timeout has passed "
+               "since the first arrived; finished rows are still computed until the longest is done",
+    "continuous": "every request is admitted at once and leaves the step it finishes: the rows-per-step "
+                  "line falls as bars end, and the run lasts as long as the longest request",
+}
 
 
 def table_row(trace: str, mode: str, raw: dict[str, Any] | None, status: str,
@@ -45,7 +59,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             r["ratio_to_continuous"] = r["output_throughput"] / cont["output_throughput"]
 
 
-def _fmt(v: Any, digits: int = 1) -> str:
+def fmt(v: Any, digits: int = 1) -> str:
     if v is None:
         return "—"
     return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
@@ -66,9 +80,9 @@ def markdown_table(rows: Sequence[dict[str, Any]], trace: str) -> str:
         if r["trace"] != trace:
             continue
         note = r["status"] if r["status"] != "ok" else (r["utilisation_source"] or "")
-        out.append(f"| {r['mode']} | {_fmt(r['output_throughput'])} | {_fmt(r['ratio_to_continuous'], 2)} "
-                   f"| {_fmt(r['utilisation'], 3)} | {_fmt(r['ttft_p50'], 0)} | {_fmt(r['ttft_p99'], 0)} "
-                   f"| {_fmt(r['itl_p50'], 0)} | {_fmt(r['itl_p99'], 0)} | {r['completed']} "
+        out.append(f"| {r['mode']} | {fmt(r['output_throughput'])} | {fmt(r['ratio_to_continuous'], 2)} "
+                   f"| {fmt(r['utilisation'], 3)} | {fmt(r['ttft_p50'], 0)} | {fmt(r['ttft_p99'], 0)} "
+                   f"| {fmt(r['itl_p50'], 0)} | {fmt(r['itl_p99'], 0)} | {r['completed']} "
                    f"| {_cpu_wait(r)} | {note} |")
     return "\n".join(out)
 
@@ -82,12 +96,43 @@ def machine_line() -> str:
             f"transformers {transformers.__version__}, load average (1/5/15 min) {load}")
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def link(path: str, link_dir: str) -> str:
+    """path as a markdown link target from a file in link_dir."""
+    return os.path.relpath(path, link_dir).replace(os.sep, "/")
+
+
+def timeline_section(timelines: Sequence[dict[str, Any]], trace: str, link_dir: str) -> list[str]:
+    """One line per mode on what its timeline shows, then the image."""
+    if not timelines:
+        return []
+    parts = [f"### Timelines of the `{trace}` trace, one per mode (same time axis)", "",
+             "One row per request (grey queued, orange prefilling, blue decoding, red retracted); "
+             "below, the rows computed in each step. Raw events: `timeline_<mode>.json` beside each PNG.", ""]
+    for t in timelines:
+        rows = "—" if t["mean_decode_rows"] is None else f"{t['mean_decode_rows']:.1f}"
+        line = (f"- **{t['mode']}**: {TIMELINE_CAPTIONS.get(t['mode'], 'our server')}. Here: "
+                f"{_count(t['prefill_steps'], 'prefill step')}, {_count(t['decode_steps'], 'decode step')} "
+                f"of {rows} rows on average, {t['span_s']:.1f} s from the first arrival to the last event.")
+        parts.append(line)
+        if t.get("png"):
+            parts += ["", f"  ![{t['mode']} timeline]({link(t['png'], link_dir)})", ""]
+    return parts + [""]
+
+
 def report(args: argparse.Namespace, argv: Sequence[str] | None, traces: list[Trace],
            rows: list[dict[str, Any]], machine_start: str, elapsed: float, plots: list[str],
-           sweep: Sequence[tuple[str, int, float]] = (), cpu_wait: float | None = None) -> str:
+           sweep: Sequence[tuple[str, int, float]] = (), cpu_wait: float | None = None,
+           timelines: Sequence[dict[str, Any]] = (), link_dir: str = BENCH_DIR,
+           machine_end: str | None = None) -> str:
+    """The study's markdown; image links are relative to link_dir (the folder of
+    the file it is written to)."""
     cmd = "python -m bench.batching_study" + ("" if not argv else " " + " ".join(argv))
     parts = [f"## Batching study, {datetime.date.today().isoformat()}", "", f"`{cmd}`", "",
-             f"Machine at the start: {machine_start}. At the end: {machine_line()}. "
+             f"Machine at the start: {machine_start}. At the end: {machine_end or machine_line()}. "
              f"Whole study: {elapsed / 60:.1f} min"
              + ("" if cpu_wait is None else f", CPU wait {cpu_wait:.0%} of it") + ". "
              f"B = {args.batch_size} for every batched mode; greedy, EOS ignored; TTFT/ITL in ms; "
@@ -95,6 +140,8 @@ def report(args: argparse.Namespace, argv: Sequence[str] | None, traces: list[Tr
              "waited for a core (/proc/pressure/cpu; this benchmark's own processes count too).", ""]
     for t in traces:
         parts += [f"### Trace `{t.name}`: {t.description}", "", markdown_table(rows, t.name), ""]
+        parts += timeline_section([tl for tl in timelines if tl.get("trace", t.name) == t.name], t.name,
+                                  link_dir)
     if sweep:
         parts += [f"Utilisation of full padded batches of B, {args.sweep_num_prompts} requests with "
                   f"exponential output lengths of mean {args.sweep_mean_output:g} (all sent at once), "

@@ -23,6 +23,7 @@ COLORS = {"queued": "#c8c8c8", "prefill": "#f29e38", "decode": "#3b7dd8", "retra
 class RequestRow:
     rid: str
     arrived: float
+    max_new_tokens: int | None = None  # as the arrival event recorded it
     segments: list[tuple[str, float, float | None]] = field(default_factory=list)  # state, start, end
 
     def enter(self, state: str, t: float) -> None:
@@ -54,6 +55,7 @@ def build_rows(events: list[dict[str, Any]]) -> tuple[list[RequestRow], list[dic
         row = rows.setdefault(e["rid"], RequestRow(e["rid"], e["t"]))
         kind = e["event"]
         if kind == "arrived":
+            row.max_new_tokens = e.get("max_new_tokens")
             row.enter("queued", e["t"])
         elif kind in ("admitted", "chunk"):
             row.enter("prefill", e["t"])
@@ -70,7 +72,14 @@ def build_rows(events: list[dict[str, Any]]) -> tuple[list[RequestRow], list[dic
     return sorted(rows.values(), key=lambda r: r.arrived), steps
 
 
-def plot_timeline(events: list[dict[str, Any]], path: str, title: str = "scheduler timeline") -> None:
+def label(row: RequestRow) -> str:
+    return row.rid[:8] + ("" if row.max_new_tokens is None else f" ({row.max_new_tokens} tok)")
+
+
+def plot_timeline(events: list[dict[str, Any]], path: str, title: str = "scheduler timeline",
+                  xlim: float | None = None) -> None:
+    """xlim: seconds shown after the first arrival (the same for several plots
+    puts them on one scale); default: the timeline's own span."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -90,15 +99,21 @@ def plot_timeline(events: list[dict[str, Any]], path: str, title: str = "schedul
             stop = t_end if end is None else end
             gantt.broken_barh([(start - t0, max(stop - start, 1e-3))], (i - 0.4, 0.8),
                               facecolors=COLORS[state])
-    gantt.set_yticks(range(len(rows)), [r.rid[:10] for r in rows], fontsize=7)
+    gantt.set_yticks(range(len(rows)), [label(r) for r in rows], fontsize=7)
     gantt.invert_yaxis()
     gantt.set_title(title)
     gantt.legend(handles=[Patch(color=c, label=s) for s, c in COLORS.items()],
                  loc="upper right", fontsize=7, ncol=4)
-    xs = [e["t"] - t0 for e in steps]
-    batch.step(xs, [e["batch_size"] for e in steps], where="post", color="#3b7dd8")
+    # a step is recorded when it ends: its rows count from its start on
+    xs = [e["t"] - e.get("step_time", 0.0) - t0 for e in steps]
+    ys = [e["batch_size"] for e in steps]
+    if steps:  # ... and until the last one ends
+        xs, ys = xs + [steps[-1]["t"] - t0], ys + [ys[-1]]
+    batch.step(xs, ys, where="post", color="#3b7dd8")
     batch.set_ylabel("rows in step", fontsize=8)
     batch.set_xlabel("seconds since the first arrival")
+    if xlim is not None:
+        batch.set_xlim(0, xlim)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -106,6 +121,51 @@ def plot_timeline(events: list[dict[str, Any]], path: str, title: str = "schedul
 
 def load_events(source: Any) -> list[dict[str, Any]]:
     return source["events"] if isinstance(source, dict) else list(source)
+
+
+def fetch_timeline(base_url: str, since: float = 0.0, api_key: str = "", timeout: float = 30.0
+                   ) -> dict[str, Any]:
+    """GET /timeline?since=<unix time>: {"now", "seq" (events ever recorded), "events"}."""
+    req = urllib.request.Request(f"{base_url.rstrip('/')}/timeline?since={since!r}")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.load(resp)
+
+
+def compact(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Events with times in seconds since the first one (rounded to 0.1 ms) and
+    short floats, for saving: {"t0": unix time, "events": [...]}. plot_timeline
+    and --input read it as they read GET /timeline's answer."""
+    t0 = min((e["t"] for e in events), default=0.0)
+    out = []
+    for e in events:
+        e = {**e, "t": round(e["t"] - t0, 4)}
+        for key, digits in (("kv_usage", 4), ("step_time", 5)):
+            if key in e:
+                e[key] = round(e[key], digits)
+        out.append(e)
+    return {"t0": t0, "events": out}
+
+
+def span(events: list[dict[str, Any]]) -> float:
+    """Seconds from the first arrival to the last event (plot_timeline's x range)."""
+    arrivals = [e["t"] for e in events if e.get("event") == "arrived"]
+    return max(e["t"] for e in events) - min(arrivals) if arrivals else 0.0
+
+
+def summary(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a timeline shows, in numbers: steps of each kind, rows per decode
+    step (mean, max), and its span in seconds."""
+    decode = [e["batch_size"] for e in events if e["type"] == "step" and e["kind"] == "decode"]
+    return {
+        "prefill_steps": sum(1 for e in events if e["type"] == "step" and e["kind"] != "decode"),
+        "decode_steps": len(decode),
+        "mean_decode_rows": sum(decode) / len(decode) if decode else None,
+        "max_decode_rows": max(decode, default=None),
+        "retractions": sum(1 for e in events if e.get("event") == "retracted"),
+        "span_s": span(events),
+    }
 
 
 def main() -> None:
@@ -121,11 +181,7 @@ def main() -> None:
         with open(args.input) as f:
             events = load_events(json.load(f))
     else:
-        req = urllib.request.Request(args.url.rstrip("/") + "/timeline")
-        if args.api_key:
-            req.add_header("Authorization", f"Bearer {args.api_key}")
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            events = load_events(json.load(resp))
+        events = load_events(fetch_timeline(args.url, api_key=args.api_key))
     plot_timeline(events, args.output, args.title)
     print(f"wrote {args.output}")
 
