@@ -20,8 +20,10 @@ class PushSocket:
         (self.sock.bind if bind else self.sock.connect)(addr)
         self._encoder = msgspec.msgpack.Encoder()
 
-    def send(self, msg: Any) -> None:
-        self.sock.send(self._encoder.encode(msg), copy=False)
+    def send(self, msg: Any, block: bool = True) -> None:
+        """With block=False, raises zmq.Again instead of waiting when the
+        queue to the peer is full (the peer is stuck or dead)."""
+        self.sock.send(self._encoder.encode(msg), flags=0 if block else zmq.NOBLOCK, copy=False)
 
     def close(self) -> None:
         self.sock.close()

@@ -503,6 +503,8 @@ class Scheduler:
             "num_waiting_reqs": len(self.waiting_queue),
             "free_kv_slots": self.allocator.available(),
             "total_kv_slots": self.allocator.size,
+            "free_req_rows": self.req_to_token_pool.available(),
+            "total_req_rows": self.req_to_token_pool.num_rows,
             "token_usage": self.token_usage(),
             "new_token_ratio": self.new_token_ratio,
             "total_retractions": self.total_retractions,

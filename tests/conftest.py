@@ -12,6 +12,11 @@ from model_proc.weights import resolve_model_path
 from tests.helpers import load_hf, make_tiny_llama
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true", default=False,
+                     help="run the long soak (tests/reliability/test_soak.py) instead of the short one")
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 
 from common.messages import TokenizedGenerateReq
-from tokenizer_proc.errors import BadRequestError
+from tokenizer_proc.errors import BadRequestError, ServiceUnavailableError
 from tokenizer_proc.manager import DuplicateRidError, ReqState, TokenizerManager
 from tokenizer_proc.request_output import RequestOutput
 from tokenizer_proc.request_spec import RequestSpec
@@ -79,6 +79,17 @@ class Generation:
                     self.manager.abort(self.outputs[k].state)  # free its KV now
             if changed:
                 yield changed
+
+    async def admitted(self) -> None:
+        """Waits for the scheduler's first answer and raises a 503 if it refused
+        a request at admission (its queue is full). A streaming route calls
+        this before it sends its headers, so the refusal is an HTTP 503, not
+        an error event after a 200. The wake-up is left set for `updates()`."""
+        await self.event.wait()
+        for out in self.outputs:
+            reason = out.state.finish_reason or {}
+            if reason.get("status_code") == 503 and not out.state.output_ids:
+                raise ServiceUnavailableError(reason.get("message", "the server is overloaded"))
 
     async def wait(self) -> None:
         async for _ in self.updates():

@@ -28,6 +28,7 @@ import zmq.asyncio
 from common.ipc import AsyncPullSocket, PushSocket
 from common.messages import (AbortReq, BatchTokenOut, IpcPaths, SchedulerQuery, SchedulerReply,
                              TokenizedGenerateReq, ToTokenizerMsg)
+from tokenizer_proc.errors import ServiceUnavailableError
 from tokenizer_proc.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,11 @@ class TokenizerManager:
                          arrival_wall=req.arrival_time or time.time())
         self.states[req.rid] = state
         try:
-            self.to_scheduler.send(req)
+            # never block the event loop: a full queue means the scheduler is stuck or gone
+            self.to_scheduler.send(req, block=False)
+        except zmq.Again:
+            del self.states[req.rid]
+            raise ServiceUnavailableError("the scheduler is not taking requests") from None
         except Exception:
             del self.states[req.rid]
             raise
@@ -119,7 +124,10 @@ class TokenizerManager:
             return
         state.abort_sent = True
         logger.info("abort request %s", state.rid)
-        self.to_scheduler.send(AbortReq(rid=state.rid))
+        try:
+            self.to_scheduler.send(AbortReq(rid=state.rid), block=False)
+        except zmq.Again:
+            logger.error("abort of %s not sent: the scheduler is not taking messages", state.rid)
 
     def abort_rid(self, rid: str) -> list[str]:
         """Aborts the request `rid`, or every request of the group `rid`;
@@ -155,7 +163,10 @@ class TokenizerManager:
         future: asyncio.Future[SchedulerReply] = asyncio.get_running_loop().create_future()
         self.queries[query_id] = future
         try:
-            self.to_scheduler.send(SchedulerQuery(query_id=query_id, kind=kind, since=since))
+            try:
+                self.to_scheduler.send(SchedulerQuery(query_id=query_id, kind=kind, since=since), block=False)
+            except zmq.Again:
+                raise asyncio.TimeoutError("the scheduler is not taking messages") from None
             return await asyncio.wait_for(future, timeout)
         finally:
             self.queries.pop(query_id, None)

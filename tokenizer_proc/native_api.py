@@ -34,6 +34,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         texts = TokenTexts(tokenizer) if inp.return_text_in_logprobs else None
         if inp.stream:
+            await gen.admitted()
             return await stream_events(request, _events(gen, inp, texts), gen.outputs[0].rid)
         await gen.wait()
         for o in gen.outputs:  # refused at admission because the queue is full

@@ -22,6 +22,7 @@ from tokenizer_proc.logprobs import TokenTexts, chat_logprobs, completion_logpro
 from tokenizer_proc.middlewares import read_body
 from tokenizer_proc.openai_protocol import OpenAIInput, parse_chat_request, parse_completion_request
 from tokenizer_proc.request_output import RequestOutput
+from tokenizer_proc.shutdown import SHUTTING_DOWN
 from tokenizer_proc.sse import stream_events
 from tokenizer_proc.validation import parse_json_object
 
@@ -69,6 +70,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     gen.submit()
     try:
         if inp.stream:
+            await gen.admitted()
             return await stream_events(request, shaper.chunks(gen), inp.request_id)
         await gen.wait()
         return json_response(shaper.response(gen.outputs))
@@ -82,8 +84,10 @@ def finish_reason(out: RequestOutput) -> str:
         return "stop"
     if reason.get("type") == "length":
         return "length"
-    if reason.get("status_code") == 503:  # the scheduler's queue is full
-        raise ServiceUnavailableError(reason.get("message", "the server is overloaded"))
+    message = reason.get("message", "")
+    # the scheduler's queue is full, or the server stopped before the request could finish
+    if reason.get("status_code") == 503 or message.startswith(SHUTTING_DOWN):
+        raise ServiceUnavailableError(message or "the server is overloaded")
     raise BadRequestError(f"the request was aborted: {reason.get('message', 'unknown reason')}")
 
 

@@ -81,6 +81,19 @@ class ServerProcess:
         return self.proc.wait(timeout=timeout)
 
     def kill(self) -> None:
+        """Stops whatever is left: a second SIGINT (launch.py then aborts what is
+        in flight and removes its socket folder), SIGKILL to the group if that
+        does not end it within seconds."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            try:
+                for _ in range(2):
+                    self.proc.send_signal(signal.SIGINT)
+                    time.sleep(0.1)
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything the group still holds
+        except ProcessLookupError:
+            pass
+        self.proc.wait()

@@ -164,6 +164,39 @@ def test_queue_limit_gives_503_and_meta_info_reports_queue_time():
             else:
                 assert r.json()["meta_info"]["queue_time"] >= 0.0
         assert generate(srv, body).status_code == 200  # serving again once drained
+
+        # A streaming request refused at admission gets an HTTP 503 too, not a
+        # 200 with an error event: the headers wait for the scheduler's answer.
+        long_body = {"text": "Tell me a long story.",
+                     "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+
+        def wait_for(running: int, waiting: int) -> None:
+            deadline = time.monotonic() + 60
+            while True:
+                sched = requests.get(srv.url + "/get_server_info", timeout=30).json()["scheduler"]
+                if sched["num_running_reqs"] == running and sched["num_waiting_reqs"] == waiting:
+                    return
+                assert time.monotonic() < deadline, sched
+                time.sleep(0.05)
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            # one after the other: sent together, the second could find the first still queued
+            busy = [pool.submit(generate, srv, long_body)]
+            wait_for(running=1, waiting=0)
+            busy.append(pool.submit(generate, srv, long_body))
+            wait_for(running=1, waiting=1)  # the queue is full
+            refused = [
+                requests.post(srv.url + "/generate", json={**body, "stream": True}, timeout=30),
+                requests.post(srv.url + "/v1/chat/completions", timeout=30, json={
+                    "model": "default", "stream": True, "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "Hi"}]}),
+            ]
+            for r in refused:
+                assert r.status_code == 503, (r.status_code, r.text[:200])
+                assert "queue is full" in r.json()["error"]["message"]
+            requests.post(srv.url + "/abort_request", json={"abort_all": True}, timeout=30)
+            for f in busy:
+                f.result()
     finally:
         srv.kill()
 

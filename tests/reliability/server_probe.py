@@ -32,8 +32,8 @@ def leaks(state: dict[str, Any]) -> list[str]:
         found.append(f"{state['num_running_reqs']} running, {state['num_waiting_reqs']} waiting")
     if state["free_kv_slots"] != state["total_kv_slots"]:
         found.append(f"{state['total_kv_slots'] - state['free_kv_slots']} KV slots held")
-    if "free_req_rows" in state and state["free_req_rows"] != state.get("total_req_rows"):
-        found.append(f"{state.get('total_req_rows')} req_to_token rows, {state['free_req_rows']} free")
+    if state["free_req_rows"] != state["total_req_rows"]:
+        found.append(f"{state['total_req_rows']} req_to_token rows, {state['free_req_rows']} free")
     if state.get("requests_in_flight"):
         found.append(f"{state['requests_in_flight']} requests still tracked by the tokenizer process")
     return found
