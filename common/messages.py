@@ -85,6 +85,11 @@ class SchedulerReply(msgspec.Struct, tag=True):
 
 # ---- scheduler_proc <-> model_proc ----------------------------------------------------
 
+# In a decode batch's input_ids: "the token this row sampled at its last step".
+# With the overlap schedule the scheduler sends step t+1 before it has read
+# step t's result; the model process keeps each row's last sampled token.
+FUTURE_TOKEN = -1
+
 
 class ForwardBatch(msgspec.Struct, tag=True):
     """One step's work for the model, O(batch) in size (plus the prompt tokens of
@@ -94,7 +99,8 @@ class ForwardBatch(msgspec.Struct, tag=True):
     forward_mode "extend": row i has `seq_lens[i] - prefix_lens[i]` new tokens,
     laid out flat in `input_ids`; its first `prefix_lens[i]` tokens are already
     in the KV pool. forward_mode "decode": one new token per row
-    (`prefix_lens` is empty; the prefix is `seq_lens[i] - 1`).
+    (`prefix_lens` is empty; the prefix is `seq_lens[i] - 1`); an input id may
+    be FUTURE_TOKEN, which the model replaces with the row's last sampled token.
     `out_cache_loc` holds the KV slot of every new token, aligned with
     `input_ids`. The sampling lists hold one entry per row; `seeds[i]` is -1
     for an unseeded row; `sample_steps[i]` is the number of tokens row i has

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from common.messages import ForwardBatch, ForwardResult, ModelInfo
+from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardResult, ModelInfo
 from common.server_args import ServerArgs
 from model_proc.attention import create_attention_backend
 from model_proc.dtypes import dtype_name, resolve_dtype
@@ -56,6 +56,10 @@ class ModelRunner:
         self.model.load_weights(state)  # also packs the matmuls for the device
         del state
         self.sampler = Sampler(sa.random_seed, self.device)
+        # per req_to_token row, the token it sampled last: a decode input sent
+        # as FUTURE_TOKEN (overlap schedule) is taken from here
+        self.last_sampled = torch.zeros(self.req_to_token.table.shape[0], dtype=torch.int64,
+                                        device=self.device)
         self.step_stats = DecodeStepStats()
         self.model_info = ModelInfo(
             model_path=self.model_path,
@@ -77,6 +81,8 @@ class ModelRunner:
         params = SamplingBatch.from_lists(batch.temperatures, batch.top_ps, batch.top_ks,
                                           batch.min_ps, batch.seeds, batch.sample_steps, self.device)
         next_ids = self.sampler(logits, params)
+        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=self.device)
+        self.last_sampled[rows] = next_ids
         result = ForwardResult(next_token_ids=next_ids.tolist())
         if batch.return_logprob:
             self._add_logprobs(result, logits, next_ids, batch.top_logprobs_nums)
@@ -102,6 +108,9 @@ class ModelRunner:
         each row's last token."""
         self.check_batch(batch)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
+        if batch.forward_mode == "decode" and FUTURE_TOKEN in batch.input_ids:
+            rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=self.device)
+            input_ids = torch.where(input_ids == FUTURE_TOKEN, self.last_sampled[rows], input_ids)
         out_cache_loc = torch.tensor(batch.out_cache_loc, dtype=torch.int64, device=self.device)
         positions = self._update_req_to_token(batch, out_cache_loc)
         meta = self.attn_backend.init_forward_metadata(batch, out_cache_loc)
@@ -149,7 +158,8 @@ class ModelRunner:
             raise ValueError("ForwardBatch: req_pool_indices outside the table")
         if min(b.out_cache_loc) < 0 or max(b.out_cache_loc) > self.max_total_tokens:
             raise ValueError(f"ForwardBatch: out_cache_loc outside 0..{self.max_total_tokens}")
-        if min(b.input_ids) < 0 or max(b.input_ids) >= self.model_config.vocab_size:
+        lowest = FUTURE_TOKEN if b.forward_mode == "decode" else 0  # the token sampled last
+        if min(b.input_ids) < lowest or max(b.input_ids) >= self.model_config.vocab_size:
             raise ValueError("ForwardBatch: input_ids outside the vocabulary")
 
 

@@ -22,7 +22,8 @@ class Req:
 
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int = 0  # row of req_to_token while resident, 0 when not
-    kv_len: int = 0  # tokens of fill_ids whose KV sits in the pool
+    kv_len: int = 0  # tokens whose KV is in the pool, or will be once the steps sent have run
+    pending_tokens: int = 0  # sampled in steps still in flight (overlap): the model has them
     extend_input_len: int = 0  # tokens the coming prefill computes (a chunk, or all)
     admit_time: float | None = None  # first prefill start (queue time = admit - arrival)
     first_token_time: float = 0.0  # wall clock of the first output token (0: none yet)
@@ -60,7 +61,17 @@ class Req:
 
     @property
     def remaining_new_tokens(self) -> int:
-        return max(0, self.sampling_params.max_new_tokens - len(self.output_ids))
+        return max(0, self.sampling_params.max_new_tokens - len(self.output_ids)
+                   - self.pending_tokens)
+
+    def finishes_with_pending(self, context_len: int) -> bool:
+        """A token still in flight ends this request by length, whatever its
+        value: the overlap schedule leaves such a row out of the next step."""
+        if not self.pending_tokens:
+            return False
+        n = len(self.output_ids) + self.pending_tokens
+        return n >= self.sampling_params.max_new_tokens or \
+            self.seq_len + self.pending_tokens >= context_len
 
     def check_finished(self, context_len: int) -> None:
         """Set finished_reason after a token was appended to output_ids."""

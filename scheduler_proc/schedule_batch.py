@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.messages import ForwardBatch
+from common.messages import FUTURE_TOKEN, ForwardBatch
 from scheduler_proc.memory import ReqToTokenPool, TokenSlotAllocator
 from scheduler_proc.req import Req
 
@@ -117,19 +117,28 @@ class ScheduleBatch:
         self.req_pool_indices = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
         self.seq_lens = torch.tensor([p + n for p, n in zip(self.prefix_lens, extend_lens)],
                                      dtype=torch.int64)
+        # counted from now: a request released before the step's result is read
+        # (an abort, with overlap) frees these slots too
+        for r, p, n in zip(self.reqs, self.prefix_lens, extend_lens):
+            r.kv_len = p + n
 
     def prepare_for_decode(self, req_to_token_pool: ReqToTokenPool,
                            allocator: TokenSlotAllocator) -> None:
-        """One new token per row: the row's last sampled token, at position seq_len."""
+        """One new token per row: the row's last sampled token, at position seq_len.
+        A token still in flight (overlap) goes as FUTURE_TOKEN: the model has it."""
         self.forward_mode = "decode"
         self.prefix_lens = []
         locs = allocator.alloc(len(self.reqs))
         if locs is None:
             raise OutOfKVSlots(f"cannot allocate {len(self.reqs)} KV slots for decode")
         self.out_cache_loc = locs
-        self.input_ids = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64)
+        self.input_ids = torch.tensor(
+            [FUTURE_TOKEN if r.pending_tokens else r.output_ids[-1] for r in self.reqs],
+            dtype=torch.int64)
         req_to_token_pool.req_to_token[self.req_pool_indices, self.seq_lens] = locs.to(torch.int32)
         self.seq_lens = self.seq_lens + 1
+        for r in self.reqs:
+            r.kv_len += 1
 
     def to_forward_batch(self) -> ForwardBatch:
         return ForwardBatch(
@@ -144,7 +153,7 @@ class ScheduleBatch:
             top_ks=self.top_ks.tolist(),
             min_ps=self.min_ps.tolist(),
             seeds=self.seeds.tolist(),
-            sample_steps=[len(r.output_ids) for r in self.reqs],
+            sample_steps=[len(r.output_ids) + r.pending_tokens for r in self.reqs],
             return_logprob=self.return_logprob,
             top_logprobs_nums=self.top_logprobs_nums.tolist() if self.return_logprob else [],
         )

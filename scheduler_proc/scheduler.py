@@ -5,13 +5,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from common.messages import (AbortReq, BatchTokenOut, ForwardBatch, ForwardResult, ModelInfo,
+from common.messages import (AbortReq, BatchTokenOut, ForwardResult, ModelInfo,
                              SchedulerQuery, SchedulerReply, TokenizedGenerateReq, ToSchedulerMsg,
                              ToTokenizerMsg)
 from common.server_args import ServerArgs
 from scheduler_proc.memory import ReqToTokenPool, TokenSlotAllocator
+from scheduler_proc.model_client import LocalModel, ModelClient, as_model_client
 from scheduler_proc.policy import order_waiting_queue
 from scheduler_proc.prefill_adder import PrefillAdder
 from scheduler_proc.req import Req
@@ -31,18 +33,29 @@ RETRACT_DECODE_STEPS = 20
 QUEUE_FULL_STATUS = 503
 
 
-class ModelClient(Protocol):
-    """Runs one step on the model: over ZMQ in the server, in-process in tests."""
+@dataclass
+class LaunchedStep:
+    """A step sent to the model whose result has not been processed yet. It keeps
+    its own list of rows: the running batch changes while the step runs."""
 
-    def forward(self, batch: ForwardBatch) -> ForwardResult: ...
+    forward_mode: str
+    reqs: list[Req]
+    produces: list[bool]  # per row: the step samples a token for it (not a mid-prompt chunk)
+    num_tokens: int
+    launch_time: float
 
 
 class Scheduler:
-    def __init__(self, server_args: ServerArgs, model_info: ModelInfo, model: ModelClient,
+    def __init__(self, server_args: ServerArgs, model_info: ModelInfo,
+                 model: ModelClient | LocalModel,
                  send_output: Callable[[ToTokenizerMsg], None]) -> None:
         self.args = server_args
         self.model_info = model_info
-        self.model = model
+        self.model = as_model_client(model)  # a local model runs each batch when it is sent
+        # Overlap: send step t+1 before processing step t's result (see step()).
+        self.overlap = not server_args.disable_overlap_schedule
+        self.inflight: deque[LaunchedStep] = deque()  # sent, result not yet processed
+        self.last_result_time = 0.0
         self.send_output = send_output
         self.context_len = model_info.context_len
         self.req_to_token_pool = ReqToTokenPool(server_args.max_running_requests, self.context_len)
@@ -153,8 +166,8 @@ class Scheduler:
             self.chunked_req = None
         # Static batching keeps a finished row's KV as padding until the batch
         # ends. Otherwise a running row keeps its place only until the next
-        # filter_batch, and its KV is freed now, between steps, when no forward
-        # is reading it.
+        # filter_batch, and its KV is freed now: a step still in flight that
+        # writes those slots (overlap) runs before any step that could reuse them.
         if self.args.batching != "continuous" and self.in_running_batch(req):
             self.reqs_by_rid.pop(req.rid, None)
         else:
@@ -162,7 +175,10 @@ class Scheduler:
         self.stream_output([req])
 
     def in_running_batch(self, req: Req) -> bool:
-        return self.running_batch is not None and any(r is req for r in self.running_batch.reqs)
+        # a static batch just prefilled is still last_batch: it becomes the
+        # running batch when the next step is chosen
+        return any(b is not None and any(r is req for r in b.reqs)
+                   for b in (self.running_batch, self.last_batch))
 
     # ---- choosing the next batch ------------------------------------------------------
 
@@ -171,18 +187,19 @@ class Scheduler:
             return self.get_next_static_batch()
         # The rows just prefilled join the running batch, minus those already
         # done and the one still in a chunked prefill.
+        # With overlap, the last step's tokens are not known yet: a row whose
+        # pending token ends it by length leaves now, one that stops on a stop
+        # token leaves a step late (its extra token is thrown away).
         if self.last_batch is not None and self.last_batch.forward_mode == "extend":
             self.last_batch.filter_batch([i for i, r in enumerate(self.last_batch.reqs)
-                                          if not r.finished and r is not self.chunked_req])
+                                          if self.keeps_running(r) and r is not self.chunked_req])
             if not self.last_batch.is_empty():
                 if self.running_batch is None:
                     self.running_batch = self.last_batch
                 else:
                     self.running_batch.merge_batch(self.last_batch)
-        if self.running_batch is not None:
-            self.running_batch.filter_batch()
-            if self.running_batch.is_empty():
-                self.running_batch = None
+            self.last_batch = None  # merged once, even if this is called again before step() ends
+        self.filter_running_batch()
 
         decode_due = self.running_batch is not None and \
             self.num_consecutive_prefill >= self.args.max_consecutive_prefill_batches
@@ -200,12 +217,28 @@ class Scheduler:
             return None
         return self.update_running_batch()
 
+    def keeps_running(self, req: Req) -> bool:
+        return not req.finished and not req.finishes_with_pending(self.context_len)
+
+    def filter_running_batch(self) -> None:
+        batch = self.running_batch
+        if batch is not None:
+            batch.filter_batch([i for i, r in enumerate(batch.reqs) if self.keeps_running(r)])
+            if batch.is_empty():
+                self.running_batch = None
+
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
             return None
         running = self.running_batch.reqs if self.running_batch is not None else []
+        # With overlap, rows that finish in the step in flight have left the running
+        # batch but hold their table row (and KV) until its result is processed.
+        pool = self.req_to_token_pool
+        held = pool.num_rows - pool.available()
+        leaving = held - len(running) - (1 if self.chunked_req is not None
+                                         and self.chunked_req.req_pool_idx else 0)
         adder = PrefillAdder.for_step(
-            max_running=self.args.max_running_requests, running=running,
+            max_running=self.args.max_running_requests - leaving, running=running,
             free_slots=self.allocator.available(),
             max_prefill_tokens=self.args.max_prefill_tokens,
             chunked_prefill_size=self.args.chunked_prefill_size,
@@ -233,6 +266,7 @@ class Scheduler:
     def start_prefill(self, reqs: list[Req], num_running: int) -> ScheduleBatch:
         now = time.time()
         for r in reqs:
+            assert not r.pending_tokens, "a prefill needs every token of the request"
             if r.admit_time is None:
                 r.admit_time = now
                 event = "admitted"
@@ -251,11 +285,19 @@ class Scheduler:
             num_running, len(self.waiting_queue))
         return batch
 
-    def update_running_batch(self) -> ScheduleBatch:
+    def update_running_batch(self) -> ScheduleBatch | None:
         """Make room for one more token per row (retracting if the pool is short),
         then prepare the decode step."""
         batch = self.running_batch
         assert batch is not None
+        if self.allocator.available() < len(batch) and self.inflight:
+            # Short of slots with a step in flight: first see its result (its
+            # finished rows free their KV); victims must have all their tokens.
+            self.resolve_inflight()
+            self.filter_running_batch()
+            batch = self.running_batch
+            if batch is None:  # every row finished: look again (a prefill may fit now)
+                return self.get_next_batch_to_run()
         if self.allocator.available() < len(batch):
             self.retract_decode(batch)
         else:
@@ -267,7 +309,9 @@ class Scheduler:
     def retract_decode(self, batch: ScheduleBatch) -> None:
         """Free the KV of victims (fewest decoded tokens first, ties to the longest
         prompt) until every remaining row can get a slot; victims go back to the
-        front of the queue with their tokens, to be recomputed when re-admitted."""
+        front of the queue with their tokens, to be recomputed when re-admitted.
+        No step may be in flight: a victim's pending token would be lost."""
+        assert not self.inflight, "retract_decode with a step in flight"
         order = sorted(range(len(batch)), key=lambda i: (len(batch.reqs[i].output_ids),
                                                           -len(batch.reqs[i].origin_input_ids)))
         retracted: list[Req] = []
@@ -320,6 +364,9 @@ class Scheduler:
         if self.last_batch is not None and self.last_batch.forward_mode == "extend":
             batch = self.running_batch = self.last_batch
         if batch is not None:
+            if self.inflight and all(r.finished or r.finishes_with_pending(self.context_len)
+                                     for r in batch.reqs):
+                self.resolve_inflight()  # the batch may be over: see its last tokens first
             if all(r.finished for r in batch.reqs):
                 for r in batch.reqs:
                     self.release_req(r)
@@ -364,20 +411,48 @@ class Scheduler:
 
     # ---- running it -------------------------------------------------------------------
 
-    def run_batch(self, batch: ScheduleBatch) -> ForwardResult:
-        return self.model.forward(batch.to_forward_batch())
+    def launch_batch(self, batch: ScheduleBatch) -> None:
+        """Send the step to the model; its result is processed by resolve_oldest."""
+        fb = batch.to_forward_batch()
+        if batch.forward_mode == "decode":
+            produces = [True] * len(batch)
+        else:  # a row whose prompt is not all in the pool yet samples nothing it keeps
+            produces = [s == r.seq_len for r, s in zip(batch.reqs, fb.seq_lens)]
+        for r, p in zip(batch.reqs, produces):
+            r.pending_tokens += p
+        self.model.send(fb)
+        self.inflight.append(LaunchedStep(batch.forward_mode, list(batch.reqs), produces,
+                                          len(fb.out_cache_loc), time.perf_counter()))
 
-    def process_batch_result(self, batch: ScheduleBatch, result: ForwardResult) -> None:
-        seq_lens = batch.seq_lens.tolist()
+    def resolve_oldest(self) -> None:
+        step = self.inflight.popleft()
+        result = self.model.recv()
+        now = time.perf_counter()
+        # the model's share of the wall time: from launch, or from the previous
+        # result when this step queued behind it
+        step_time = now - max(step.launch_time, self.last_result_time)
+        self.last_result_time = now
+        self.process_batch_result(step, result)
+        self.timeline.step(kind=step.forward_mode, batch_size=len(step.reqs),
+                           tokens=step.num_tokens, kv_usage=self.token_usage(),
+                           step_time=step_time)
+
+    def resolve_inflight(self) -> None:
+        while self.inflight:
+            self.resolve_oldest()
+
+    def process_batch_result(self, step: LaunchedStep, result: ForwardResult) -> None:
         static = self.args.batching != "continuous"
-        for i, (req, seq_len, token) in enumerate(zip(batch.reqs, seq_lens, result.next_token_ids)):
+        for i, (req, produces, token) in enumerate(zip(step.reqs, step.produces,
+                                                       result.next_token_ids)):
+            if not produces:  # a chunk of a longer prompt: no token yet
+                continue
+            req.pending_tokens -= 1
             if req.finished:
-                if static and req.req_pool_idx:  # a padded row: computed, thrown away
-                    req.kv_len = seq_len
-                    self.total_row_steps += 1
-                continue  # (or aborted while the step ran)
-            req.kv_len = seq_len
-            if req.kv_len < req.seq_len:  # a chunk of a longer prompt: no token yet
+                # computed and thrown away: a static batch's padding (counted in
+                # the utilisation), or a row that stopped one step earlier
+                # (overlap) or was aborted while the step ran (not padding)
+                self.total_row_steps += static
                 continue
             self.total_row_steps += 1
             self.useful_row_steps += 1
@@ -396,12 +471,12 @@ class Scheduler:
                     self.reqs_by_rid.pop(req.rid, None)
                 else:
                     self.release_req(req)
-        if batch.forward_mode == "decode":
+        if step.forward_mode == "decode":
             self.num_decode_steps += 1
-            self.decode_tokens_since_log += len(batch)
+            self.decode_tokens_since_log += len(step.reqs)
             if self.num_decode_steps % DECODE_LOG_INTERVAL == 0:
                 self.log_decode_stats()
-        self.stream_output(batch.reqs)
+        self.stream_output(step.reqs)
 
     def release_req(self, req: Req, retracting: bool = False) -> None:
         """Give back a request's KV slots and table row. Unless it is only being
@@ -454,23 +529,30 @@ class Scheduler:
     # ---- loop ---------------------------------------------------------------------------
 
     def step(self) -> ScheduleBatch | None:
-        """One iteration after input was processed: pick a batch, run it, retire rows."""
+        """One iteration after input was processed: pick a batch, send it, retire rows.
+
+        Plain loop: send step t, then read and process its result. Overlap: send
+        step t+1, then read and process step t's result while the model runs
+        t+1, so the scheduler's own work hides behind the forward. With nothing
+        new to send, every result still out is processed."""
         batch = self.get_next_batch_to_run()
+        if batch is None and self.inflight:
+            # nothing to send until the step out is processed (its finished rows
+            # give back their KV and table rows): catch up, then look again
+            self.resolve_inflight()
+            batch = self.get_next_batch_to_run()
         if batch is not None:
-            start = time.perf_counter()
-            result = self.run_batch(batch)
-            step_time = time.perf_counter() - start
-            self.process_batch_result(batch, result)
-            self.timeline.step(kind=batch.forward_mode, batch_size=len(batch),
-                               tokens=len(batch.out_cache_loc), kv_usage=self.token_usage(),
-                               step_time=step_time)
+            self.launch_batch(batch)
+        keep_in_flight = 1 if self.overlap and batch is not None else 0
+        while len(self.inflight) > keep_in_flight:
+            self.resolve_oldest()
         self.last_batch = batch
         return batch
 
     def is_idle(self) -> bool:
         return not self.waiting_queue and self.running_batch is None and \
-            self.chunked_req is None and (self.last_batch is None
-                                          or self.last_batch.forward_mode != "extend")
+            self.chunked_req is None and not self.inflight and \
+            (self.last_batch is None or self.last_batch.forward_mode != "extend")
 
     def event_loop(self, recv_requests: Callable[[float | None], list[ToSchedulerMsg]]) -> None:
         """`recv_requests(timeout_s)` drains the input socket, first waiting up to

@@ -7,10 +7,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import zmq
 
 from common.ipc import PullSocket, PushSocket
-from common.messages import ForwardBatch, ForwardResult, IpcPaths, ReadyMsg
+from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardResult, IpcPaths, ReadyMsg
 from common.proc import ChildConfig, child_env
 from common.server_args import ServerArgs
 from tests.helpers import hf_greedy
@@ -55,6 +56,48 @@ def test_model_process_serves_forward_batches(model_process, tiny_llama_hf):
     out = results.recv(timeout_ms=30_000)
     tokens += out.next_token_ids
     assert tokens == hf_greedy(tiny_llama_hf, PROMPT, 2)
+
+
+def test_steps_sent_before_their_predecessors_result_take_the_token_sampled_last(
+        model_process, tiny_llama_hf):
+    """The overlap schedule: decode steps go out before the previous result is
+    read, with FUTURE_TOKEN as input; the process queues them and fills it in."""
+    _proc, _ready, batches, results = model_process
+    n = len(PROMPT)
+    batches.send(ForwardBatch("extend", [1], [n], [0], PROMPT, list(range(1, n + 1)),
+                              [0.0], [1.0], [-1], [0.0], [-1], [0]))
+    for k in (1, 2):
+        batches.send(ForwardBatch("decode", [1], [n + k], [], [FUTURE_TOKEN], [n + k],
+                                  [0.0], [1.0], [-1], [0.0], [-1], [k]))
+    tokens = []
+    for _ in range(3):
+        out = results.recv(timeout_ms=30_000)
+        assert out is not None
+        tokens += out.next_token_ids
+    assert tokens == hf_greedy(tiny_llama_hf, PROMPT, 3)
+
+
+def test_future_token_mixes_with_known_inputs_and_is_refused_in_an_extend(
+        make_runner, tiny_llama_dir):
+    runner = make_runner(tiny_llama_dir, max_total_tokens=64, max_running_requests=2)
+    prompts = [[5, 6, 7], [8, 9]]
+    first = runner.forward(ForwardBatch("extend", [1, 2], [3, 2], [0, 0], prompts[0] + prompts[1],
+                                        [1, 2, 3, 4, 5], [0.0] * 2, [1.0] * 2, [-1] * 2,
+                                        [0.0] * 2, [-1] * 2, [0, 0])).next_token_ids
+
+    def decode(inputs: list[int]) -> list[int]:
+        return runner.forward(ForwardBatch("decode", [1, 2], [4, 3], [], inputs, [6, 7],
+                                           [0.0] * 2, [1.0] * 2, [-1] * 2, [0.0] * 2, [-1] * 2,
+                                           [1, 1])).next_token_ids
+
+    known = decode(first)
+    runner.last_sampled[1:3] = torch.tensor(first)  # as the extend left it
+    assert decode([first[0], FUTURE_TOKEN]) == known
+    runner.last_sampled[1:3] = torch.tensor(first)
+    assert decode([FUTURE_TOKEN, FUTURE_TOKEN]) == known
+    with pytest.raises(ValueError, match="input_ids"):
+        runner.forward(ForwardBatch("extend", [1], [4], [3], [FUTURE_TOKEN], [8], [0.0], [1.0],
+                                    [-1], [0.0], [-1], [1]))
 
 
 def test_model_process_dies_on_a_bad_batch(model_process):

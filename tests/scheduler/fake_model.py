@@ -1,10 +1,12 @@
 """A fake model process for scheduler unit tests: it isolates the scheduler from
 the real model. Its next token is a pure function of the row's last input token,
-and it checks that no slot it is asked to write is held by another live row."""
+and it checks that no slot it is asked to write is held by another live row.
+Like the model process, it keeps each row's last sampled token for decode
+inputs sent as FUTURE_TOKEN (the overlap schedule)."""
 
 from __future__ import annotations
 
-from common.messages import ForwardBatch, ForwardResult, ModelInfo
+from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardResult, ModelInfo
 
 VOCAB = 1000
 EOS = 2
@@ -30,6 +32,7 @@ class FakeModel:
         self.eos_one_in = eos_one_in
         self.slot_owner: dict[int, int] = {}  # slot -> req_pool_idx
         self.batches: list[ForwardBatch] = []
+        self.last_sampled: dict[int, int] = {}  # req_pool_idx -> token sampled last
 
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         self.batches.append(batch)
@@ -51,9 +54,15 @@ class FakeModel:
             assert prev is None or prev == row or prev not in live_rows, \
                 f"slot {slot} of live row {prev} handed to row {row}"
             self.slot_owner[slot] = row
+        input_ids = list(batch.input_ids)
+        if batch.forward_mode == "decode":
+            input_ids = [self.last_sampled[row] if t == FUTURE_TOKEN else t
+                         for row, t in zip(rows, input_ids)]
+        assert min(input_ids) >= 0, "FUTURE_TOKEN outside a decode batch"
         last_positions, start = [], 0
         for n in counts:
             start += n
             last_positions.append(start - 1)
-        return ForwardResult(next_token_ids=[next_token(batch.input_ids[i], self.eos_one_in)
-                                             for i in last_positions])
+        out = [next_token(input_ids[i], self.eos_one_in) for i in last_positions]
+        self.last_sampled.update(zip(rows, out))
+        return ForwardResult(next_token_ids=out)

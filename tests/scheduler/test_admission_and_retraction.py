@@ -14,7 +14,7 @@ from common.messages import SamplingParams
 from scheduler_proc.policy import order_waiting_queue
 from scheduler_proc.req import Req
 from scheduler_proc.schedule_batch import OutOfKVSlots
-from tests.scheduler.test_scheduler import Harness
+from tests.scheduler.test_scheduler import MODES, Harness
 
 
 def test_new_token_ratio_decays_each_decode_step_and_resets_when_idle():
@@ -48,11 +48,12 @@ def test_admission_counts_ignore_eos_requests_at_ratio_one():
     h.assert_no_leak()
 
 
-def test_retraction_frees_kv_requeues_at_front_and_counts(caplog):
+@MODES
+def test_retraction_frees_kv_requeues_at_front_and_counts(caplog, overlap):
     caplog.set_level(logging.INFO)
     # 6 requests of 10 + 30 tokens in a pool of 100: admission at ratio 0.7
     # admits three (3 x 31 <= 100), which then need 3 x 40 > 100
-    h = Harness(max_running=8, max_total_tokens=100)
+    h = Harness(max_running=8, max_total_tokens=100, disable_overlap_schedule=not overlap)
     for i in range(6):
         h.submit(f"r{i}", n_prompt=10, max_new=30)
     h.run_until_idle()
@@ -86,6 +87,7 @@ def test_retraction_picks_fewest_decoded_then_longest_prompt():
     h.submit("long_prompt", n_prompt=9, max_new=100)
     s.step()  # prefill both: 1 token each; "old" has 6
     s.step()
+    s.resolve_inflight()  # with overlap a step is still out: victims need all their tokens
     batch = s.running_batch
     # take every free slot so that the next decode needs a retraction
     hog = s.allocator.alloc(s.allocator.available() - 2)
@@ -97,7 +99,8 @@ def test_retraction_picks_fewest_decoded_then_longest_prompt():
     h.assert_no_leak()
 
 
-def test_kv_pool_never_overflows_under_random_load():
+@MODES
+def test_kv_pool_never_overflows_under_random_load(overlap):
     """Property: whatever the arrivals and lengths, admission plus retraction
     never asks the allocator for a slot it does not have, every request ends
     with its full output, and nothing leaks."""
@@ -106,7 +109,7 @@ def test_kv_pool_never_overflows_under_random_load():
         pool = rng.randint(60, 300)
         h = Harness(max_running=rng.randint(1, 12), max_total_tokens=pool,
                     chunked_prefill_size=rng.choice([-1, 8, 32]),
-                    eos_one_in=rng.choice([0, 5, 20]))
+                    eos_one_in=rng.choice([0, 5, 20]), disable_overlap_schedule=not overlap)
         expected = {}
         arrivals = {}
         for i in range(rng.randint(5, 30)):
@@ -162,10 +165,12 @@ def test_chunked_prefill_splits_a_long_prompt_and_keeps_it_out_of_the_running_ba
     h.assert_no_leak()
 
 
-def test_chunked_prefill_gives_the_same_tokens_as_unchunked():
+@MODES
+def test_chunked_prefill_gives_the_same_tokens_as_unchunked(overlap):
     outs = []
     for chunk in (-1, 7):
-        h = Harness(max_running=4, chunked_prefill_size=chunk)
+        h = Harness(max_running=4, chunked_prefill_size=chunk,
+                    disable_overlap_schedule=not overlap)
         for i, n in enumerate([30, 5, 19]):
             h.submit(f"r{i}", n_prompt=n, max_new=6)
         h.run_until_idle()
@@ -204,8 +209,9 @@ def test_lpm_puts_requests_sharing_the_longest_prefix_first():
 CHAPTER_LENGTHS = [64, 8, 12, 5, 10, 6, 9, 9]
 
 
-def test_static_batching_utilisation_is_sum_over_batch_times_max():
-    h = Harness(max_running=8, batching="static")
+@MODES
+def test_static_batching_utilisation_is_sum_over_batch_times_max(overlap):
+    h = Harness(max_running=8, batching="static", disable_overlap_schedule=not overlap)
     for i, n in enumerate(CHAPTER_LENGTHS):
         h.submit(f"r{i}", n_prompt=5, max_new=n, ignore_eos=True)
     sizes = []
@@ -220,8 +226,9 @@ def test_static_batching_utilisation_is_sum_over_batch_times_max():
     h.assert_no_leak()
 
 
-def test_static_batching_admits_nothing_mid_flight():
-    h = Harness(max_running=8, batching="static")
+@MODES
+def test_static_batching_admits_nothing_mid_flight(overlap):
+    h = Harness(max_running=8, batching="static", disable_overlap_schedule=not overlap)
     h.submit("a", n_prompt=5, max_new=10, ignore_eos=True)
     h.sched.step()
     h.submit("late", n_prompt=5, max_new=2, ignore_eos=True)
@@ -233,8 +240,9 @@ def test_static_batching_admits_nothing_mid_flight():
     h.assert_no_leak()
 
 
-def test_continuous_batching_utilisation_is_one():
-    h = Harness(max_running=8)
+@MODES
+def test_continuous_batching_utilisation_is_one(overlap):
+    h = Harness(max_running=8, disable_overlap_schedule=not overlap)
     for i, n in enumerate(CHAPTER_LENGTHS):
         h.submit(f"r{i}", n_prompt=5, max_new=n, ignore_eos=True)
     h.run_until_idle()
@@ -242,8 +250,10 @@ def test_continuous_batching_utilisation_is_one():
     h.assert_no_leak()
 
 
-def test_dynamic_batching_waits_for_a_full_batch_or_the_timeout():
-    h = Harness(max_running=3, batching="dynamic", batch_timeout_ms=200)
+@MODES
+def test_dynamic_batching_waits_for_a_full_batch_or_the_timeout(overlap):
+    h = Harness(max_running=3, batching="dynamic", batch_timeout_ms=200,
+                disable_overlap_schedule=not overlap)
     h.submit("a", n_prompt=3, max_new=2)
     assert h.sched.step() is None  # one waiting, timeout not reached
     h.submit("b", n_prompt=3, max_new=2)

@@ -1,6 +1,7 @@
 """The engine (the real scheduler driving the real model, in one process)
 generates, token for token, what transformers' greedy `generate` does, while
-requests arrive at different steps, so rows join and leave mid-flight."""
+requests arrive at different steps, so rows join and leave mid-flight; with
+the overlap schedule on and off."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from common.server_args import ServerArgs
 from model_proc.runner import ModelRunner
 from scheduler_proc.scheduler import Scheduler
 from tests.helpers import greedy_parting, hf_greedy_with_top, load_hf
+
+MODES = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+# transformers' reference outputs, computed once for both modes
+_REFERENCE_CACHE: dict[tuple, tuple[list[int], list[list[int]]]] = {}
 
 
 class Engine:
@@ -56,21 +61,29 @@ class Engine:
         assert not s.reqs_by_rid and not s.waiting_queue and s.running_batch is None
 
 
-def check_against_transformers(engine: Engine, hf_model, arrivals) -> list[str]:
+def check_against_transformers(engine: Engine, model_dir: str, arrivals) -> list[str]:
     partings = []
+    hf_model = None
     for reqs in arrivals.values():
         for rid, prompt, n in reqs:
             req = engine.reqs[rid]
             assert req.finished_reason == {"type": "length", "length": n}
+            assert len(req.output_ids) == len(req.output_token_logprobs) == n
             ours_top = [[tok for _, tok in top] for top in req.output_top_logprobs]
-            ref, ref_top = hf_greedy_with_top(hf_model, prompt, n)
+            key = (model_dir, tuple(prompt), n)
+            if key not in _REFERENCE_CACHE:
+                hf_model = hf_model or load_hf(model_dir)
+                _REFERENCE_CACHE[key] = hf_greedy_with_top(hf_model, prompt, n)
+            ref, ref_top = _REFERENCE_CACHE[key]
             pos = greedy_parting(req.output_ids, ours_top, ref, ref_top)
             if pos is not None:
                 partings.append(f"{rid} parts from transformers at a near-tie, position {pos}")
     return partings
 
 
-def test_tiny_model_engine_equals_transformers_with_rows_joining_and_leaving(tiny_llama_dir):
+@MODES
+def test_tiny_model_engine_equals_transformers_with_rows_joining_and_leaving(tiny_llama_dir,
+                                                                           overlap):
     rng = random.Random(0)
 
     def prompt(n: int) -> list[int]:
@@ -85,16 +98,19 @@ def test_tiny_model_engine_equals_transformers_with_rows_joining_and_leaving(tin
         9: [("g", prompt(11), 7)],
         15: [("h", prompt(2), 4)],
     }
-    engine = Engine(tiny_llama_dir, max_running_requests=3, max_total_tokens=256)
+    engine = Engine(tiny_llama_dir, max_running_requests=3, max_total_tokens=256,
+                    disable_overlap_schedule=not overlap)
     sizes = engine.run(arrivals)
     assert max(sizes) == 3 and min(sizes) == 1  # the batch grew and shrank
     engine.assert_no_leak()
-    partings = check_against_transformers(engine, load_hf(tiny_llama_dir), arrivals)
+    partings = check_against_transformers(engine, tiny_llama_dir, arrivals)
     # wide random weights leave no near-ties: any parting would be a bug
     assert not partings, partings
 
 
-def test_default_model_engine_equals_transformers_with_rows_joining_and_leaving(default_model_dir):
+@MODES
+def test_default_model_engine_equals_transformers_with_rows_joining_and_leaving(default_model_dir,
+                                                                              overlap):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
@@ -111,12 +127,12 @@ def test_default_model_engine_equals_transformers_with_rows_joining_and_leaving(
         6: [("story", tok.encode("Once upon a time, there was a"), 5)],
     }
     engine = Engine(default_model_dir, max_running_requests=4, max_total_tokens=1024,
-                    context_length=1024)
+                    context_length=1024, disable_overlap_schedule=not overlap)
     sizes = engine.run(arrivals)
     assert max(sizes) >= 3 and min(sizes) == 1
     engine.assert_no_leak()
     del engine.runner
-    partings = check_against_transformers(engine, load_hf(default_model_dir), arrivals)
+    partings = check_against_transformers(engine, default_model_dir, arrivals)
     for p in partings:  # allowed, but reported
         print(p)
     assert "Paris" in tok.decode(engine.reqs["france"].output_ids)

@@ -1,10 +1,12 @@
 """Retraction and chunked prefill with the real model (tiny, random weights):
 outputs must not change when requests are retracted and recomputed, or when
-their prompts are prefilled in chunks."""
+their prompts are prefilled in chunks, with the overlap schedule on or off."""
 
 from __future__ import annotations
 
 import random
+
+import pytest
 
 from tests.helpers import greedy_parting
 from tests.scheduler.test_engine_matches_transformers import Engine
@@ -24,10 +26,15 @@ def make_requests(n: int, seed: int = 0):
             for i in range(n)]
 
 
-def test_overcommitted_pool_retracts_and_every_output_equals_the_big_pool_run(tiny_llama_dir):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+def test_overcommitted_pool_retracts_and_every_output_equals_the_big_pool_run(tiny_llama_dir,
+                                                                              overlap):
     reqs = make_requests(32)
-    small = run_load(tiny_llama_dir, reqs, max_running_requests=32, max_total_tokens=120)
-    big = run_load(tiny_llama_dir, reqs, max_running_requests=32, max_total_tokens=4000)
+    small = run_load(tiny_llama_dir, reqs, max_running_requests=32, max_total_tokens=120,
+                     disable_overlap_schedule=not overlap)
+    # the reference: a pool big enough for all, plain loop
+    big = run_load(tiny_llama_dir, reqs, max_running_requests=32, max_total_tokens=4000,
+                   disable_overlap_schedule=True)
     assert small.sched.total_retractions >= 1 and big.sched.total_retractions == 0
     assert any(r.num_retractions for r in small.reqs.values())
     partings = []
@@ -44,11 +51,14 @@ def test_overcommitted_pool_retracts_and_every_output_equals_the_big_pool_run(ti
     assert not partings, partings  # wide random weights: no near-ties expected
 
 
-def test_chunked_prefill_gives_the_same_greedy_output_as_unchunked(tiny_llama_dir):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+def test_chunked_prefill_gives_the_same_greedy_output_as_unchunked(tiny_llama_dir, overlap):
     rng = random.Random(1)
     reqs = [(f"r{i}", [rng.randrange(3, 512) for _ in range(n)], 8)
             for i, n in enumerate([70, 9, 130, 33])]
-    plain = run_load(tiny_llama_dir, reqs, max_running_requests=4, chunked_prefill_size=-1)
-    chunked = run_load(tiny_llama_dir, reqs, max_running_requests=4, chunked_prefill_size=16)
+    plain = run_load(tiny_llama_dir, reqs, max_running_requests=4, chunked_prefill_size=-1,
+                     disable_overlap_schedule=True)
+    chunked = run_load(tiny_llama_dir, reqs, max_running_requests=4, chunked_prefill_size=16,
+                       disable_overlap_schedule=not overlap)
     for rid, _, _ in reqs:
         assert chunked.reqs[rid].output_ids == plain.reqs[rid].output_ids, rid

@@ -1,5 +1,7 @@
 """The scheduler loop driven by a fake model (isolates the scheduler)."""
 
+import pytest
+
 from common.messages import AbortReq, BatchTokenOut, SamplingParams, TokenizedGenerateReq
 from common.server_args import ServerArgs
 from scheduler_proc.scheduler import Scheduler
@@ -51,6 +53,10 @@ class Harness:
         assert not s.reqs_by_rid
 
 
+# the key behaviours hold with the overlap schedule on and off
+MODES = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+
+
 def expected_tokens(prompt_last: int, n: int) -> list[int]:
     out, last = [], prompt_last
     for _ in range(n):
@@ -59,8 +65,9 @@ def expected_tokens(prompt_last: int, n: int) -> list[int]:
     return out
 
 
-def test_every_request_gets_exactly_its_tokens_and_a_length_finish():
-    h = Harness()
+@MODES
+def test_every_request_gets_exactly_its_tokens_and_a_length_finish(overlap):
+    h = Harness(disable_overlap_schedule=not overlap)
     for i in range(6):
         h.submit(f"r{i}", n_prompt=3 + i, max_new=2 + i)
     h.run_until_idle()
@@ -73,8 +80,9 @@ def test_every_request_gets_exactly_its_tokens_and_a_length_finish():
     h.assert_no_leak()
 
 
-def test_running_batch_never_exceeds_max_running_requests():
-    h = Harness(max_running=3)
+@MODES
+def test_running_batch_never_exceeds_max_running_requests(overlap):
+    h = Harness(max_running=3, disable_overlap_schedule=not overlap)
     for i in range(8):
         h.submit(f"r{i}", n_prompt=4, max_new=5)
     sizes = []
@@ -91,8 +99,9 @@ def test_running_batch_never_exceeds_max_running_requests():
     h.assert_no_leak()
 
 
-def test_rows_join_and_leave_the_running_batch_mid_flight():
-    h = Harness(max_running=4)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+def test_rows_join_and_leave_the_running_batch_mid_flight(overlap):
+    h = Harness(max_running=4, disable_overlap_schedule=not overlap)
     h.submit("long", n_prompt=4, max_new=20)
     for _ in range(3):
         h.sched.step()
@@ -102,16 +111,21 @@ def test_rows_join_and_leave_the_running_batch_mid_flight():
     batch = h.sched.step()  # the prefilled row joined the running decode batch
     assert batch.forward_mode == "decode" and [r.rid for r in batch.reqs] == ["long", "short"]
     h.sched.step()
-    assert "short" in h.finals()  # finished: 1 token at prefill + 2 decode steps
+    if not overlap:  # with overlap, that step's result is read during the next one
+        assert "short" in h.finals()  # finished: 1 token at prefill + 2 decode steps
     batch = h.sched.step()
-    assert [r.rid for r in batch.reqs] == ["long"]  # the finished row left at once
+    # the finished row left at once (with overlap: its last token, in flight, was
+    # known to end it by length, so it was not sent again)
+    assert [r.rid for r in batch.reqs] == ["long"]
+    assert "short" in h.finals()
     h.run_until_idle()
     assert h.finals()["long"][1] == 20
     h.assert_no_leak()
 
 
-def test_stop_token_finishes_with_matched_id():
-    h = Harness()
+@MODES
+def test_stop_token_finishes_with_matched_id(overlap):
+    h = Harness(disable_overlap_schedule=not overlap)
     h.submit("a", n_prompt=3, max_new=50)
     prompt_last = h.sched.waiting_queue[0].origin_input_ids[-1]
     third = expected_tokens(prompt_last, 3)[-1]
@@ -121,8 +135,9 @@ def test_stop_token_finishes_with_matched_id():
     h.assert_no_leak()
 
 
-def test_streaming_request_gets_tokens_every_step_and_non_streaming_once():
-    h = Harness()
+@MODES
+def test_streaming_request_gets_tokens_every_step_and_non_streaming_once(overlap):
+    h = Harness(disable_overlap_schedule=not overlap)
     h.submit("s", n_prompt=3, max_new=5, stream=True)
     h.submit("n", n_prompt=3, max_new=5, stream=False)
     h.run_until_idle()
@@ -132,8 +147,22 @@ def test_streaming_request_gets_tokens_every_step_and_non_streaming_once():
     assert h.tokens("s") == h.tokens("n") or len(h.tokens("s")) == 5
 
 
-def test_abort_of_running_request_frees_its_kv_at_once():
-    h = Harness()
+@MODES
+def test_abort_right_after_a_static_prefill_keeps_the_row_as_padding(overlap):
+    h = Harness(batching="static", disable_overlap_schedule=not overlap)
+    h.submit("a", n_prompt=4, max_new=6)
+    h.submit("b", n_prompt=5, max_new=6)
+    h.sched.step()  # the static batch's prefill
+    h.sched.process_input_requests([AbortReq(rid="a")])
+    h.run_until_idle()
+    assert h.finals()["a"][0]["type"] == "abort" and h.finals()["b"][1] == 6
+    assert all(len(b.req_pool_indices) == 2 for b in h.model.batches)  # "a" stays as padding
+    h.assert_no_leak()
+
+
+@MODES
+def test_abort_of_running_request_frees_its_kv_at_once(overlap):
+    h = Harness(disable_overlap_schedule=not overlap)
     h.submit("a", n_prompt=10, max_new=100)
     h.submit("b", n_prompt=10, max_new=5)
     h.sched.step()  # prefill both
@@ -172,8 +201,9 @@ def test_request_that_can_never_fit_in_the_pool_gets_an_error_not_a_hang():
     h.assert_no_leak()
 
 
-def test_admission_waits_for_kv_instead_of_overcommitting():
-    h = Harness(max_running=8, max_total_tokens=64)
+@MODES
+def test_admission_waits_for_kv_instead_of_overcommitting(overlap):
+    h = Harness(max_running=8, max_total_tokens=64, disable_overlap_schedule=not overlap)
     for i in range(4):  # each needs 10 + 20 = 30 slots: only two fit at once
         h.submit(f"r{i}", n_prompt=10, max_new=20)
     h.run_until_idle()
