@@ -40,6 +40,7 @@ class ServerArgs:
     device: str = "cpu"
     attention_backend: str = ""  # default: triton on a CUDA device, torch elsewhere
     random_seed: int = 0
+    deterministic: bool = False  # batch-invariant forward (model_proc/batch_invariant.py)
     # network
     host: str = "127.0.0.1"
     port: int = 30000
@@ -119,6 +120,9 @@ class ServerArgs:
         parser.add_argument("--attention-backend", default="", choices=["torch", "triton"],
                             help="default: triton on a CUDA device, torch elsewhere")
         parser.add_argument("--random-seed", type=int, default=d["random_seed"].default)
+        parser.add_argument("--deterministic", action="store_true",
+                            help="batch-invariant forward: a request's logits are the same bits "
+                                 "whatever shares its batch (torch attention backend; slower)")
         parser.add_argument("--host", default=d["host"].default)
         parser.add_argument("--port", type=int, default=d["port"].default)
         parser.add_argument("--max-running-requests", type=int,

@@ -6,6 +6,7 @@ every layer (store the new K/V into their slots, then attend). The model sees
 only this interface. Two backends: `torch` (any device; the CPU one) and
 `triton` (kernels/ on a CUDA device; on a CPU only under TRITON_INTERPRET=1,
 which the tests use). Triton is imported only when that backend is built.
+`--deterministic` replaces `torch` by batch_invariant.BatchInvariantAttnBackend.
 
 Layout of the common metadata (B rows, T new tokens):
   qo_indptr  [B+1]  row i's new tokens are q[qo_indptr[i]:qo_indptr[i+1]]
@@ -307,7 +308,14 @@ class TritonAttnBackend(AttentionBackend):
 
 
 def create_attention_backend(name: str, kv_pool: KVPool, req_to_token: ReqToTokenTable,
-                             scale: float) -> AttentionBackend:
+                             scale: float, deterministic: bool = False) -> AttentionBackend:
+    if deterministic:
+        if name != "torch":
+            raise ValueError("--deterministic needs --attention-backend torch "
+                             f"(the {name} kernels split the KV by batch size)")
+        # imported here: batch_invariant builds on this module
+        from model_proc.batch_invariant import BatchInvariantAttnBackend
+        return BatchInvariantAttnBackend(kv_pool, req_to_token, scale)
     if name == "torch":
         return TorchAttnBackend(kv_pool, req_to_token, scale)
     if name == "triton":

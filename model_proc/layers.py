@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_proc.batch_invariant import in_row_blocks
+
 # Batch-size hint oneDNN packs for. The packed layout serves any number of
 # rows; 16 was as fast as any other hint at 1..128 rows in float32 and
 # bfloat16, and clearly better than none in float32 (bench/RESULTS.md).
@@ -50,6 +52,9 @@ class Linear(nn.Module):
 
     # class-wide switch, so a benchmark can compare against plain F.linear
     use_onednn = True
+    # set by the model under --deterministic: calls of a fixed number of rows
+    # (batch_invariant.py), so that a row's bits do not depend on the batch
+    batch_invariant = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -69,6 +74,12 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, act: str = "", add: torch.Tensor | None = None,
                 mul: torch.Tensor | None = None) -> torch.Tensor:
+        if self.batch_invariant:
+            return in_row_blocks(self._forward, x, act, add, mul)
+        return self._forward(x, act, add, mul)
+
+    def _forward(self, x: torch.Tensor, act: str, add: torch.Tensor | None,
+                 mul: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
             return self._onednn(x, act, add, mul)
         y = F.linear(x, self.weight, self.bias)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_proc.attention import AttentionBackend, AttentionMetadata
+from model_proc.batch_invariant import pad_rows, padded_rows
 from model_proc.layers import Linear, apply_rope_, fold_norm_weight, rms_norm
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -194,26 +195,38 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
+                 deterministic: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
+        # batch-invariant forward (batch_invariant.py); the backend must be one too
+        self.deterministic = deterministic
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         self.rotary = RotaryEmbedding(cfg, max_positions)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
         # its own matrix even when tied: the final norm's weight is folded in,
         # and on a CPU it is packed for the matmul, which the embedding lookup can't use
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.batch_invariant = deterministic
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> float32 logits [B, vocab] of each row's last token."""
+        num_tokens = input_ids.shape[0]
+        if self.deterministic:
+            # whole row blocks: torch's thread split of a per-token op then
+            # falls between tokens, never inside one (batch_invariant.py)
+            rows = padded_rows(num_tokens)
+            input_ids, positions = pad_rows(input_ids, rows), pad_rows(positions, rows)
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, meta)
         # only the last token of each row is sampled: skip the rest of the
         # (vocab-sized) head for the prompt tokens of an extend
-        last = x if meta.is_decode else x[meta.qo_indptr[1:] - 1]
+        last = x[:num_tokens] if meta.is_decode else x[meta.qo_indptr[1:] - 1]
         return self.lm_head(rms_norm(last, self.cfg.rms_norm_eps)).float()
 
     @torch.no_grad()

@@ -50,8 +50,10 @@ class ModelRunner:
                     tuple(self.req_to_token.table.shape))
 
         self.attn_backend = create_attention_backend(
-            sa.attention_backend, self.kv_pool, self.req_to_token, scale=cfg.head_dim ** -0.5)
-        self.model = LlamaForCausalLM(cfg, self.attn_backend, max_positions=self.context_len)
+            sa.attention_backend, self.kv_pool, self.req_to_token, scale=cfg.head_dim ** -0.5,
+            deterministic=sa.deterministic)
+        self.model = LlamaForCausalLM(cfg, self.attn_backend, max_positions=self.context_len,
+                                      deterministic=sa.deterministic)
         self.model.to(device=self.device, dtype=self.dtype)
         self.model.load_weights(state)  # also packs the matmuls for the device
         del state

@@ -1,0 +1,294 @@
+"""Batch-invariant forward (`--deterministic`): a token's hidden states, K/V
+and logits are the same bits whatever else shares its forward.
+
+Why they differ without it (measured on this project's 2-core AVX-512 CPU,
+torch 2.13, float32; bench/deterministic_cost.py measures the price):
+
+- oneDNN's packed matmul gives a row other bits at 1 row than at 2 or more
+  when the reduction is long (K = 1536, the default model's down projection):
+  a request decoding alone differs from the same request beside another.
+  MKL's `F.linear` (the path without oneDNN) has three classes: 1, 2-3, 4+.
+- the torch backend's decode is one SDPA over the batch padded to its longest
+  row: a row's bits depend on the batch size and on its mates' lengths.
+- an elementwise op with a transcendental function (SiLU) computes the tail of
+  each inner loop with scalar code, whose last bit can differ from the
+  vector code's; above 32768 elements torch splits the work between threads
+  at `numel / threads`, which for an odd row count lands inside a row.
+- `torch.bmm` of a batch of one matrix can take another kernel than a batch of
+  two or more (seen at 7 query heads per KV head).
+
+What this mode does instead:
+
+- the model pads its flat token axis to a multiple of `ROW_BLOCK` rows, so
+  that torch's thread split of a per-token op falls between rows (for a
+  thread count that divides `ROW_BLOCK`);
+- every `Linear` is run as calls of exactly `ROW_BLOCK` rows: one shape, so
+  one kernel and one reduction order; a row's bits were checked not to depend
+  on its place in the block or on its block mates (tests/model_proc/
+  test_deterministic.py);
+- attention (`BatchInvariantAttnBackend`) walks each query's keys in tiles of
+  `KV_BLOCK`, in key order, with matmuls of one shape per tile; a query's
+  tiles past its own length are exact no-ops, so its result depends on its
+  own keys only. Decode and extend run the same per-query computation, so a
+  token gets the same bits whether it was prefilled (in one piece or in
+  chunks, alone or beside other prompts) or decoded: a request recomputed
+  after a retraction gets its K/V back bit for bit.
+
+RMSNorm, rotary, the embedding, argmax and log-softmax are row-wise already
+(checked, not assumed). Not covered: the Triton backend (split-KV counts
+depend on the batch), and thread counts that do not divide `ROW_BLOCK`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.messages import ForwardBatch
+from model_proc.attention import AttentionBackend, AttentionMetadata, _indptr, gather_kv_indices
+
+# Rows per matmul call. 16 is the batch size the weights are packed for
+# (layers.PACK_HINT_ROWS): a decode step of up to 16 rows costs one call.
+ROW_BLOCK = 16
+# Keys per attention tile. A multiple of 32 floats: exp's input is then whole
+# vectors (and so is each thread's half of it), so no element of a query's
+# weights goes through the scalar tail loop in one batch and not in another.
+KV_BLOCK = 64
+# Extend: a row's queries go in chunks of this many, each over the key tiles
+# it can see only (the causal upper triangle is skipped).
+QUERY_CHUNK = 4 * KV_BLOCK
+
+
+def padded_rows(n: int) -> int:
+    return -(-n // ROW_BLOCK) * ROW_BLOCK
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t with zero rows appended up to `rows` (t itself when it has them)."""
+    if t.shape[0] == rows:
+        return t
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[:t.shape[0]] = t
+    return out
+
+
+def in_row_blocks(fn: Callable[..., torch.Tensor], x: torch.Tensor, act: str,
+                  add: torch.Tensor | None, mul: torch.Tensor | None) -> torch.Tensor:
+    """fn(x, act, add, mul) computed as calls of exactly ROW_BLOCK rows (the
+    last block zero-padded), concatenated."""
+    n = x.shape[0]
+    if n == ROW_BLOCK:
+        return fn(x, act, add, mul)
+    rows = padded_rows(n)
+    x = pad_rows(x, rows)
+    add = None if add is None else pad_rows(add, rows)
+    mul = None if mul is None else pad_rows(mul, rows)
+    parts = [fn(x[r:r + ROW_BLOCK], act,
+                None if add is None else add[r:r + ROW_BLOCK],
+                None if mul is None else mul[r:r + ROW_BLOCK])
+             for r in range(0, rows, ROW_BLOCK)]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out[:n]
+
+
+# ---- attention --------------------------------------------------------------------------
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm, never with a batch of one (which can take another kernel)."""
+    if a.shape[0] > 1:
+        return torch.bmm(a, b)
+    return torch.bmm(a.expand(2, *a.shape[1:]), b.expand(2, *b.shape[1:]))[:1]
+
+
+def _gather_tiles(buf: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Tensor:
+    """Decode: the K or V of tile-major slots as n = tiles * rows * kv_heads
+    matrices [KV_BLOCK, D], each contiguous, ordered (tile, row, KV head).
+    (One gather and a transposing copy: faster here than a gather per head.)"""
+    kv_heads, dim = buf.shape[1], buf.shape[2]
+    t = buf.index_select(0, slots).view(-1, KV_BLOCK, kv_heads, dim)
+    return t.transpose(1, 2).reshape(n, KV_BLOCK, dim)
+
+
+def tile_weights(scores: torch.Tensor, masked: torch.Tensor, scale: float,
+                 tile_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax numerators and denominators over tiles of KV_BLOCK keys.
+
+    scores [..., g, KV_BLOCK]: q . k of queries (g query heads per KV head)
+    with each key of each tile, the tiles along `tile_dim` in key order;
+    masked broadcasts to it (True: not a key of this query). Returns p (the
+    shape of scores) and the denominators (scores' shape without `tile_dim`
+    and the last). The max is exact in any order; the sums go tile by tile in
+    key order, so a tile wholly masked for a query (a longer batch mate's, or
+    the rest of a prompt) adds exact zeros and changes nothing.
+    """
+    scores.mul_(scale).masked_fill_(masked, float("-inf"))
+    row_max = scores.amax(-1, keepdim=True).amax(tile_dim, keepdim=True)
+    p = torch.exp(scores - row_max)
+    return p, sum_in_key_order(p.sum(-1).unbind(tile_dim))
+
+
+def sum_in_key_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+@dataclass
+class DecodeChunk:
+    """Rows r0..r1 of a decode step: their slots tile-major [tiles * rows *
+    KV_BLOCK] (past a row's length: the dummy slot 0) and the mask
+    [tiles, rows, 1, 1, KV_BLOCK] of those padding entries."""
+    r0: int
+    r1: int
+    slots: torch.Tensor
+    masked: torch.Tensor
+
+
+@dataclass
+class ExtendChunk:
+    """Queries c0..c1 of a row (relative to the row's first new token), the
+    key tiles they can see, and their mask [tiles, c1 - c0, 1, KV_BLOCK]."""
+    c0: int
+    c1: int
+    tiles: int
+    masked: torch.Tensor
+
+
+@dataclass
+class BatchInvariantAttnMetadata(AttentionMetadata):
+    num_tiles: int = 0  # decode: key tiles of the longest row
+    decode_chunks: list[DecodeChunk] | None = None
+    # extend, per row: first token in the step's token axis, the row's slots
+    # padded to whole tiles, its query chunks
+    extend_rows: list[tuple[int, torch.Tensor, list[ExtendChunk]]] | None = None
+
+
+class BatchInvariantAttnBackend(AttentionBackend):
+    """Attention whose per-query computation depends on the query's own keys
+    only, the same in decode and in extend (see the module docstring). Torch
+    ops, on any device; bit-for-bit invariance is checked on the CPU.
+
+    Every q . k and p . v product is a batched matmul of one shape per query
+    and KV head, [g, D] x [D, KV_BLOCK] and [g, KV_BLOCK] x [KV_BLOCK, D] (g
+    query heads per KV head), whatever the batch: decode stacks every (tile,
+    row, KV head) into one such batch; extend gathers a row's tiles once and shares
+    them between its queries (a stride-0 batch), one tile at a time.
+    """
+
+    # K + V gathered per decode chunk of rows (as TorchAttnBackend.decode_chunk_bytes:
+    # a chunk stays in the cache from the gather to the matmuls)
+    decode_chunk_bytes = 8 << 20
+
+    def init_forward_metadata(self, batch: ForwardBatch,
+                              out_cache_loc: torch.Tensor) -> BatchInvariantAttnMetadata:
+        device = out_cache_loc.device
+        table = self.req_to_token.table
+        k_buf = self.kv_pool.k_buffer[0]
+        bs = len(batch.seq_lens)
+        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=device)
+        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=device)
+        kv_indptr = _indptr(seq_lens)
+        kv_indices = gather_kv_indices(table, rows, seq_lens, kv_indptr, sum(batch.seq_lens))
+        if batch.forward_mode == "decode":
+            max_len = max(batch.seq_lens)
+            tiles = -(-max_len // KV_BLOCK)
+            cols = torch.arange(tiles * KV_BLOCK, device=device)
+            masked = cols[None, :] >= seq_lens[:, None]  # [B, tiles * KV_BLOCK]
+            slots = torch.zeros(bs, tiles * KV_BLOCK, dtype=torch.int64, device=device)
+            slots[:, :max_len] = table[rows, :max_len]
+            slots.masked_fill_(masked, 0)
+            slots = slots.view(bs, tiles, KV_BLOCK).transpose(0, 1)  # tile-major
+            masked = masked.view(bs, tiles, 1, 1, KV_BLOCK).transpose(0, 1)
+            row_bytes = 2 * tiles * KV_BLOCK * k_buf[0].numel() * k_buf.element_size()
+            step = max(1, min(bs, self.decode_chunk_bytes // row_bytes))
+            chunks = [DecodeChunk(r0, min(bs, r0 + step), slots[:, r0:r0 + step].reshape(-1),
+                                  masked[:, r0:r0 + step])
+                      for r0 in range(0, bs, step)]
+            return BatchInvariantAttnMetadata(
+                forward_mode="decode", batch_size=bs,
+                qo_indptr=torch.arange(bs + 1, dtype=torch.int64, device=device),
+                kv_indptr=kv_indptr, kv_indices=kv_indices, seq_lens=seq_lens,
+                prefix_lens=seq_lens - 1, out_cache_loc=out_cache_loc,
+                num_tiles=tiles, decode_chunks=chunks)
+
+        prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
+        extend_rows = []
+        q0 = 0
+        for row, s, p in zip(batch.req_pool_indices, batch.seq_lens, batch.prefix_lens):
+            n = s - p
+            row_slots = torch.zeros(-(-s // KV_BLOCK) * KV_BLOCK, dtype=torch.int64, device=device)
+            row_slots[:s] = table[row, :s]
+            chunks = []
+            for c0 in range(0, n, QUERY_CHUNK):
+                c1 = min(n, c0 + QUERY_CHUNK)
+                # the row's query j sits at position p + j and sees keys 0..p + j
+                lens = torch.arange(p + c0 + 1, p + c1 + 1, device=device)
+                tiles = -(-(p + c1) // KV_BLOCK)
+                cols = torch.arange(tiles * KV_BLOCK, device=device)
+                masked = (cols[None, :] >= lens[:, None]).view(c1 - c0, tiles, 1, KV_BLOCK).transpose(0, 1)
+                chunks.append(ExtendChunk(c0, c1, tiles, masked))
+            extend_rows.append((q0, row_slots, chunks))
+            q0 += n
+        return BatchInvariantAttnMetadata(
+            forward_mode="extend", batch_size=bs,
+            qo_indptr=_indptr(seq_lens - prefix_lens), kv_indptr=kv_indptr, kv_indices=kv_indices,
+            seq_lens=seq_lens, prefix_lens=prefix_lens, out_cache_loc=out_cache_loc,
+            extend_rows=extend_rows)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                meta: BatchInvariantAttnMetadata) -> torch.Tensor:
+        """q/k/v may carry padding rows past the step's tokens (the model pads
+        its token axis): they are not stored, and their output is zero."""
+        n = meta.out_cache_loc.shape[0]
+        self.kv_pool.store(layer_id, meta.out_cache_loc, k[:n], v[:n])
+        out = q.new_zeros(q.shape)
+        if meta.is_decode:
+            self._decode(q, layer_id, meta, out)
+        else:
+            self._extend(q, layer_id, meta, out)
+        return out
+
+    def _decode(self, q: torch.Tensor, layer_id: int, meta: BatchInvariantAttnMetadata,
+                out: torch.Tensor) -> None:
+        assert meta.decode_chunks is not None
+        k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+        heads, dim = q.shape[1], q.shape[2]
+        kv_heads = k_buf.shape[1]
+        group, tiles = heads // kv_heads, meta.num_tiles
+        for c in meta.decode_chunks:
+            rows = c.r1 - c.r0
+            n = tiles * rows * kv_heads  # matrices, ordered (tile, row, KV head)
+            qc = q[c.r0:c.r1].reshape(1, rows * kv_heads, group, dim).expand(tiles, -1, group, dim)
+            scores = _bmm(qc.reshape(n, group, dim), _gather_tiles(k_buf, c.slots, n).transpose(1, 2))
+            p, denom = tile_weights(scores.view(tiles, rows, kv_heads, group, KV_BLOCK), c.masked,
+                                    self.scale, tile_dim=0)
+            pv = _bmm(p.view(n, group, KV_BLOCK), _gather_tiles(v_buf, c.slots, n))
+            o = sum_in_key_order(pv.view(tiles, rows, kv_heads, group, dim).unbind(0))
+            out[c.r0:c.r1] = o.div_(denom[..., None]).view(rows, heads, dim)
+
+    def _extend(self, q: torch.Tensor, layer_id: int, meta: BatchInvariantAttnMetadata,
+                out: torch.Tensor) -> None:
+        assert meta.extend_rows is not None
+        k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+        heads, dim = q.shape[1], q.shape[2]
+        kv_heads = k_buf.shape[1]
+        group = heads // kv_heads
+        for q0, slots, chunks in meta.extend_rows:
+            tiles = slots.shape[0] // KV_BLOCK
+            # [tiles, kv_heads, KV_BLOCK, D]: each [KV_BLOCK, D] matrix contiguous, as in decode
+            keys = k_buf[slots].view(tiles, KV_BLOCK, kv_heads, dim).transpose(1, 2).contiguous()
+            values = v_buf[slots].view(tiles, KV_BLOCK, kv_heads, dim).transpose(1, 2).contiguous()
+            for c in chunks:
+                nq = c.c1 - c.c0
+                for h in range(kv_heads):
+                    qh = q[q0 + c.c0:q0 + c.c1, h * group:(h + 1) * group]  # [nq, g, D]
+                    scores = torch.stack([_bmm(qh, keys[j, h].expand(nq, KV_BLOCK, dim).transpose(1, 2))
+                                          for j in range(c.tiles)])
+                    p, denom = tile_weights(scores, c.masked, self.scale, tile_dim=0)
+                    o = sum_in_key_order([_bmm(p[j], values[j, h].expand(nq, KV_BLOCK, dim))
+                                          for j in range(c.tiles)])
+                    out[q0 + c.c0:q0 + c.c1, h * group:(h + 1) * group] = o.div_(denom[..., None])
