@@ -75,7 +75,8 @@ from model_proc.weights import resolve_model_path
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_MD = os.path.join(HERE, "RESULTS.md")
 RESULTS_JSON = os.path.join(HERE, "results", "step_bench.json")
-WHATS = ("forward", "server", "transformers")
+# server-no-overlap: the same server with --disable-overlap-schedule (the plain loop)
+WHATS = ("forward", "server", "server-no-overlap", "transformers")
 
 # server load: prompts of C - PROMPT_SHORT tokens decoding NEW_TOKENS each: the
 # steps after the first log interval (40 steps) then average about C tokens
@@ -314,7 +315,8 @@ def parse_server_log(lines: list[str], batch: int, stat: str) -> dict:
     return out
 
 
-def bench_server(dtype: str, cases: list[tuple[int, int]], stat: str, max_tokens: int, vocab: int) -> dict:
+def bench_server(dtype: str, cases: list[tuple[int, int]], stat: str, max_tokens: int, vocab: int,
+                 extra_flags: tuple[str, ...] = (), label: str = "server") -> dict:
     from tests.e2e.server_process import ServerProcess
 
     out: dict = {}
@@ -322,7 +324,7 @@ def bench_server(dtype: str, cases: list[tuple[int, int]], stat: str, max_tokens
     for b, c in cases:
         if (b, c) not in runnable:
             out[(b, c)] = {"skipped": f"B x C > --server-max-tokens {max_tokens}"}
-            print(f"  server       {dtype:8s} batch {b:3d} context {c:4d}: skipped ({out[(b, c)]['skipped']})")
+            print(f"  {label:12s} {dtype:8s} batch {b:3d} context {c:4d}: skipped ({out[(b, c)]['skipped']})")
     if not runnable:
         return out
     max_batch = max(b for b, _ in runnable)
@@ -330,7 +332,7 @@ def bench_server(dtype: str, cases: list[tuple[int, int]], stat: str, max_tokens
     server = ServerProcess(
         "--dtype", dtype, "--max-running-requests", str(max_batch), "--max-total-tokens", str(pool),
         "--context-length", str(max(c for _, c in runnable) - PROMPT_SHORT + NEW_TOKENS + 8),
-        "--chunked-prefill-size", "4096", "--log-level", "debug", startup_timeout=600)
+        "--chunked-prefill-size", "4096", "--log-level", "debug", *extra_flags, startup_timeout=600)
     rng = random.Random(0)
     try:
         for b, c in runnable:
@@ -343,7 +345,7 @@ def bench_server(dtype: str, cases: list[tuple[int, int]], stat: str, max_tokens
             res = out[(b, c)]
             shown = (f"{res['ms']:8.1f} ms, outside forward {res.get('outside_forward_share', float('nan')):.1%}"
                      if "ms" in res else res["skipped"])
-            print(f"  server       {dtype:8s} batch {b:3d} context {c:4d}: {shown} "
+            print(f"  {label:12s} {dtype:8s} batch {b:3d} context {c:4d}: {shown} "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
     finally:
         server.stop()
@@ -364,19 +366,21 @@ def cell(res: dict | None, floor_ms: float) -> str:
 def report(command: str, floor: Floor, results: dict, dtypes: list[str], cases: list[tuple[int, int]],
            stat: str, load: tuple[float, float], seconds: float) -> str:
     header = ["dtype", "batch", "context", "floor ms (mem / compute)", "forward ms (x floor)",
-              "of which attention ms", "server ms (x floor)", "outside forward", "transformers ms (x floor)",
+              "of which attention ms", "server ms (x floor)", "outside forward",
+              "server, no overlap ms (x floor)", "outside forward, no overlap", "transformers ms (x floor)",
               "forward / transformers"]
     rows = []
     for dt in dtypes:
         for b, c in cases:
             mem, comp = floor.parts_ms(dt, b, c)
             f = floor.ms(dt, b, c)
-            fw, sv, hf = (results.get((dt, w, b, c)) for w in WHATS)
-            share = f"{sv['outside_forward_share']:.1%}" if sv and "outside_forward_share" in sv else "-"
+            fw, sv, sp, hf = (results.get((dt, w, b, c)) for w in WHATS)
+            share, share_plain = (f"{r['outside_forward_share']:.1%}" if r and "outside_forward_share" in r
+                                  else "-" for r in (sv, sp))
             vs = f"{fw['ms'] / hf['ms']:.2f}" if fw and hf and "ms" in fw and "ms" in hf else "-"
             attn = f"{fw['attention_ms']:.1f}" if fw and "attention_ms" in fw else "-"
             rows.append([dt, str(b), str(c), f"{f:.1f} ({mem:.1f} / {comp:.1f})", cell(fw, f), attn, cell(sv, f),
-                         share, cell(hf, f), vs])
+                         share, cell(sp, f), share_plain, cell(hf, f), vs])
     table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                       + ["| " + " | ".join(r) + " |" for r in rows])
     rates = ", ".join(f"{dt} {floor.rates[dt] / 1e9:.0f} GFLOP/s" for dt in dtypes)
@@ -472,6 +476,8 @@ def main(argv: list[str] | None = None) -> None:
             "forward": lambda: bench_forward(dt, cases, args.steps, args.stat, args.pool_max_tokens),
             "transformers": lambda: bench_transformers(dt, cases, args.steps, args.stat, max_kv, model_dir, cfg),
             "server": lambda: bench_server(dt, cases, args.stat, args.server_max_tokens, cfg.vocab_size),
+            "server-no-overlap": lambda: bench_server(dt, cases, args.stat, args.server_max_tokens, cfg.vocab_size,
+                                                      ("--disable-overlap-schedule",), "server plain"),
         }
         for what in WHATS:
             if what in args.what:

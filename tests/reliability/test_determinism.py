@@ -99,3 +99,24 @@ def test_seeded_sampled_requests_repeat_on_the_same_trace(tiny_llama_dir):
     for rid, req in first.reqs.items():
         assert req.output_ids == second.reqs[rid].output_ids, rid
         assert req.finished_reason == second.reqs[rid].finished_reason, rid
+
+
+def test_deterministic_flag_gives_the_same_bits_whatever_runs_beside_it(tiny_llama_dir):
+    """--deterministic: not only the same tokens but the same logprobs, bit for
+    bit, alone and in the busy trace (rows joining and leaving, chunked
+    prefill, retraction and recompute)."""
+    target = prompt(random.Random(7), 45)
+    alone = Engine(tiny_llama_dir, max_running_requests=16, max_total_tokens=4000, deterministic=True)
+    run_trace(alone, {0: [("target", target, TARGET_NEW, None)]})
+
+    busy = Engine(tiny_llama_dir, max_running_requests=16, max_total_tokens=120, chunked_prefill_size=16,
+                  schedule_conservativeness=0.3, deterministic=True)
+    arrivals = busy_trace(seed=3, sampled=False)
+    arrivals.setdefault(2, []).append(("target", target, TARGET_NEW, None))
+    run_trace(busy, arrivals)
+
+    assert busy.sched.total_retractions >= 1, "the small pool never retracted: the trace is too light"
+    a, b = busy.reqs["target"], alone.reqs["target"]
+    assert a.output_ids == b.output_ids
+    assert a.output_token_logprobs == b.output_token_logprobs  # floats compared exactly
+    assert a.output_top_logprobs == b.output_top_logprobs
