@@ -78,8 +78,8 @@ class ServerArgs:
             raise ValueError("--max-prefill-tokens must be >= 1")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"--dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if not self.attention_backend:
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
         if self.max_request_bytes < 1:
@@ -115,7 +115,9 @@ class ServerArgs:
         parser.add_argument("--context-length", type=int, default=None,
                             help="default: the model's max_position_embeddings")
         parser.add_argument("--dtype", default=d["dtype"].default,
-                            choices=["float32", "bfloat16", "float16"])
+                            choices=["auto", "float32", "bfloat16", "float16"],
+                            help="auto: bfloat16 where the processor has native bfloat16 matmuls "
+                                 "(AVX512_BF16/AMX, CUDA), else float32")
         parser.add_argument("--device", default=d["device"].default)
         parser.add_argument("--attention-backend", default="", choices=["torch", "triton"],
                             help="default: triton on a CUDA device, torch elsewhere")

@@ -43,3 +43,12 @@ def test_step_stats_count_only_decode_after_decode(caplog):
     stats.record("extend", 1, start=50.0, forward_s=0.1)
     stats.record("decode", 5, start=60.0, forward_s=0.01)
     assert stats.steps == 0
+
+
+def test_server_args_accept_auto_and_refuse_unknown_dtypes():
+    from common.server_args import ServerArgs
+
+    assert ServerArgs(model_path="m", dtype="auto").dtype == "auto"
+    assert ServerArgs.from_cli(["--model-path", "m", "--dtype", "auto"]).dtype == "auto"
+    with pytest.raises(ValueError, match="--dtype"):
+        ServerArgs(model_path="m", dtype="float64")
