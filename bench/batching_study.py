@@ -133,6 +133,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--traces", default=",".join(TRACES), help=f"comma-separated subset of {','.join(TRACES)}")
     p.add_argument("--model-path", default=None, help="HF folder (default: the bundled model, converted)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="of every mode, ours and Hugging Face's alike (the server's own default is auto)")
     p.add_argument("--batch-size", type=int, default=8, help="B: --max-running-requests, and the HF batch")
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens of every request")
     p.add_argument("--chapter-scale", type=float, default=0.125, help="shrink the chapter's lengths (1.0: as printed)")

@@ -35,7 +35,7 @@ class Trace:
 
 
 def our_server_flags(mode: str, args: argparse.Namespace, model_dir: str) -> list[str]:
-    flags = ["--model-path", model_dir, "--max-total-tokens", str(args.max_total_tokens)]
+    flags = ["--model-path", model_dir, "--max-total-tokens", str(args.max_total_tokens), "--dtype", args.dtype]
     if mode == "serial":
         return flags + ["--max-running-requests", "1"]
     flags += ["--max-running-requests", str(args.batch_size)]
@@ -101,7 +101,7 @@ def run_hf_serve(trace: Trace, args: argparse.Namespace, model_dir: str, tokeniz
                  log_dir: str) -> dict[str, Any]:
     port = free_port()
     cmd = [shutil.which("transformers") or "transformers", "serve", model_dir, "--continuous-batching",
-           "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+           "--device", "cpu", "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning"]
     offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # nothing is downloaded
     log = os.path.join(log_dir, f"{trace.name}-hf-serve.log")
@@ -132,6 +132,6 @@ def run_mode(mode: str, trace: Trace, args: argparse.Namespace, model_dir: str, 
     if mode == "hf-static":
         if "hf" not in batchers:  # loaded once, kept for the next trace
             from bench.hf_static import HFStaticBatcher
-            batchers["hf"] = HFStaticBatcher(model_dir)
+            batchers["hf"] = HFStaticBatcher(model_dir, args.dtype)
         return run_hf_static(trace, args, batchers["hf"])
     return run_ours(mode, trace, args, model_dir, tokenizer, log_dir, timeline)

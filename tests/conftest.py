@@ -37,6 +37,7 @@ def tiny_llama_hf(tiny_llama_dir: str) -> Any:
 @pytest.fixture
 def make_runner() -> Callable[..., ModelRunner]:
     def make(model_path: str, **kwargs: Any) -> ModelRunner:
+        kwargs.setdefault("dtype", "float32")  # the exact-match tests compare float32 with transformers
         kwargs.setdefault("max_total_tokens", 2048)
         kwargs.setdefault("max_running_requests", 8)
         return ModelRunner(ServerArgs(model_path=model_path, **kwargs))

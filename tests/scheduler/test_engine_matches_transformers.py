@@ -25,6 +25,7 @@ class Engine:
 
     def __init__(self, model_path: str, ignore_eos: bool = True, **args) -> None:
         self.ignore_eos = ignore_eos
+        args.setdefault("dtype", "float32")  # compared with transformers in float32
         server_args = ServerArgs(model_path=model_path, **args)
         self.runner = ModelRunner(server_args)
         self.outputs: list[BatchTokenOut] = []
