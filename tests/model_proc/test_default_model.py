@@ -6,7 +6,11 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+import torch
+
 from common.server_args import default_model_path
+from model_proc.dtypes import native_bfloat16
 from model_proc.weights import resolve_model_path
 from tests.helpers import RunnerDriver, hf_greedy, load_hf
 
@@ -36,3 +40,20 @@ def test_default_model_greedy_equals_transformers(default_model_dir, make_runner
     ours = RunnerDriver(runner).greedy([prompt], NEW_TOKENS)[0]
     del runner
     assert ours == hf_greedy(load_hf(default_model_dir), prompt, NEW_TOKENS), tok.decode(ours)
+
+
+@pytest.mark.skipif(not native_bfloat16(torch.device("cpu")), reason="no native bfloat16 on this CPU")
+def test_bfloat16_answers_like_transformers_bfloat16(default_model_dir, make_runner):
+    """oneDNN's fused residual-add epilogue lost precision in bfloat16: the
+    model answered "L'Étoile de la Cité, ..." where transformers' bfloat16
+    says Paris. The add is now unfused in bfloat16."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    runner = make_runner(default_model_dir, dtype="bfloat16", max_total_tokens=256)
+    with torch.inference_mode():
+        out = RunnerDriver(runner).greedy([list(ids)], 8)[0]
+    assert tok.decode(out).startswith("The capital of France is Paris"), tok.decode(out)
