@@ -36,7 +36,7 @@ class ServerArgs:
     tokenizer_path: str = ""
     served_model_name: str = ""
     context_length: int | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     attention_backend: str = ""  # default: triton on a CUDA device, torch elsewhere
     random_seed: int = 0
