@@ -57,7 +57,7 @@ from bench.server_launcher import LaunchedServer
 from bench.study_modes import (MODES, OUR_MODES, TIMELINE_TRACE, NotRun, Trace, hf_serve_missing, run_mode,
                                with_utilisation)
 from bench.study_plots import draw_all, have_matplotlib, save_timelines
-from bench.study_report import add_ratios, machine_line, report, table_row
+from bench.study_report import add_ratios, machine_line, report, table_row, write_report
 
 TRACES = ("chapter", "exponential")
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -290,12 +290,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                       machine_end=machine_end)
 
     study_md = os.path.join(args.out_dir, "batching_study.md")
-    text = text_for(study_md)
-    with open(study_md, "w") as f:
-        f.write(text + "\n")
-    if args.append_results:
-        with open(RESULTS_MD, "a") as f:  # append only: others append here too
-            f.write("\n" + text_for(RESULTS_MD) + "\n")
+    text = write_report(text_for, study_md, RESULTS_MD if args.append_results else None)
     print(text)
     return rows
 

@@ -64,6 +64,7 @@ from typing import Any
 
 import torch
 
+from bench.attention_bench import Timer
 from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
 from model_proc.dtypes import resolve_dtype
@@ -190,24 +191,16 @@ def timed_steps(step: Any, steps: int, stat: str) -> float:
     return statistics.median(times) if stat == "median" else min(times)
 
 
-class AttentionTimer:
+class AttentionTimer(Timer):
     """Wall time inside the attention backend (metadata once per step, then
     every layer's store + gather + SDPA): what the model's own code does not
     control. The torch CPU ops are synchronous, so wall time is their cost."""
 
     def __init__(self, backend: Any) -> None:
-        self.backend, self.seconds = backend, 0.0
+        super().__init__()
+        self.backend = backend
         for name in ("forward", "init_forward_metadata"):
-            setattr(backend, name, self._wrap(getattr(type(backend), name).__get__(backend)))
-
-    def _wrap(self, fn: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-        return timed
+            setattr(backend, name, self.wrap(getattr(type(backend), name).__get__(backend)))
 
     def remove(self) -> None:
         del self.backend.forward, self.backend.init_forward_metadata

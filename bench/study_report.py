@@ -8,7 +8,7 @@ import argparse
 import datetime
 import os
 import platform
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from bench.study_modes import Trace
 from bench.utilisation import harmonic
@@ -152,3 +152,16 @@ def report(args: argparse.Namespace, argv: Sequence[str] | None, traces: list[Tr
         shown = [os.path.relpath(p, root) if p.startswith(root + os.sep) else p for p in plots]
         parts += ["Plots: " + ", ".join(f"`{p}`" for p in shown), ""]
     return "\n".join(parts)
+
+
+def write_report(text_for: Callable[[str], str], md_path: str, results_md: str | None) -> str:
+    """Writes a report to `md_path` and, when `results_md` is given, appends it
+    there too (append only: other benchmarks add their sections as well).
+    `text_for(path)` renders it with links relative to that file's folder."""
+    text = text_for(md_path)
+    with open(md_path, "w") as f:
+        f.write(text + "\n")
+    if results_md is not None:
+        with open(results_md, "a") as f:
+            f.write("\n" + text_for(results_md) + "\n")
+    return text

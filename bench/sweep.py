@@ -58,7 +58,7 @@ from bench.cpu_pressure import CpuWait, wait_for_quiet
 from bench.datasets import DatasetRow, poisson_arrivals, sample_rows
 from bench.server_launcher import LaunchedServer
 from bench.study_plots import have_matplotlib, pyplot
-from bench.study_report import fmt, link, machine_line
+from bench.study_report import fmt, link, machine_line, write_report
 from bench.timeline_plot import fetch_timeline
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -367,12 +367,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                       machine_end, elapsed, wait.share, plot, os.path.dirname(os.path.abspath(md_path)))
 
     sweep_md = os.path.join(args.out_dir, "sweep.md")
-    text = text_for(sweep_md)
-    with open(sweep_md, "w") as f:
-        f.write(text + "\n")
-    if args.append_results:
-        with open(RESULTS_MD, "a") as f:  # append only: others append here too
-            f.write("\n" + text_for(RESULTS_MD) + "\n")
+    text = write_report(text_for, sweep_md, RESULTS_MD if args.append_results else None)
     print(text)
     return points
 
