@@ -51,7 +51,7 @@ import numpy as np
 
 from bench.backends import RequestConfig
 from bench.bench_serving import load_client_tokenizer, run_benchmark
-from bench.cpu_pressure import CpuWait, wait_for_quiet
+from bench.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
 from bench.datasets import chapter_lens, poisson_arrivals, rows_from_lengths, sample_rows
 from bench.server_launcher import LaunchedServer
 from bench.study_modes import (MODES, OUR_MODES, TIMELINE_TRACE, NotRun, Trace, hf_serve_missing, run_mode,
@@ -153,13 +153,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "plot; '' to skip")
     p.add_argument("--sweep-num-prompts", type=int, default=64, help="requests in the sweep's trace")
     p.add_argument("--sweep-mean-output", type=float, default=8.0, help="mean output length in the sweep")
-    p.add_argument("--quiet-threshold", type=float, default=0.3,
-                   help="before each mode, wait until the CPU's pressure (/proc/pressure/cpu, some, "
-                        "10 s and 60 s averages) is below this share; 1 disables")
-    p.add_argument("--quiet-timeout", type=float, default=300.0, help="longest wait for a quiet CPU, s")
-    p.add_argument("--max-cpu-wait", type=float, default=0.25,
-                   help="a run with more CPU wait than this (others' jobs) is measured again")
-    p.add_argument("--retries", type=int, default=3, help="extra attempts for a contended run")
+    add_quiet_cpu_args(p, "mode", retries=3)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default=os.path.join(BENCH_DIR, "results"))
     p.add_argument("--no-plots", action="store_true")

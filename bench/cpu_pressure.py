@@ -9,6 +9,7 @@ benchmark's own processes count too (server and client share the cores).
 
 from __future__ import annotations
 
+import argparse
 import time
 
 PSI_CPU = "/proc/pressure/cpu"
@@ -68,3 +69,16 @@ class CpuWait:
         w1, elapsed = some_total_us(self.path), time.monotonic() - self._t0
         if self._w0 is not None and w1 is not None and elapsed > 0:
             self.share = (w1 - self._w0) / 1e6 / elapsed
+
+
+def add_quiet_cpu_args(p: argparse.ArgumentParser, what: str, retries: int) -> None:
+    """The flags every side-by-side benchmark shares for measuring on a shared
+    machine: wait for a quiet CPU before each `what` (a mode, a point), and
+    measure again one that others' jobs contended."""
+    p.add_argument("--quiet-threshold", type=float, default=0.3,
+                   help=f"before each {what}, wait until the CPU's pressure (/proc/pressure/cpu, some, "
+                        "10 s and 60 s averages) is below this share; 1 disables")
+    p.add_argument("--quiet-timeout", type=float, default=300.0, help="longest wait for a quiet CPU, s")
+    p.add_argument("--max-cpu-wait", type=float, default=0.25,
+                   help=f"a {what} with more CPU wait than this (others' jobs) is measured again")
+    p.add_argument("--retries", type=int, default=retries, help=f"extra attempts for a contended {what}")

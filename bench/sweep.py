@@ -54,7 +54,7 @@ import numpy as np
 
 from bench.backends import RequestConfig
 from bench.bench_serving import load_client_tokenizer, run_benchmark, scheduler_counters, utilisation_between, warm_up
-from bench.cpu_pressure import CpuWait, wait_for_quiet
+from bench.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
 from bench.datasets import DatasetRow, poisson_arrivals, sample_rows
 from bench.server_launcher import LaunchedServer
 from bench.study_plots import have_matplotlib, pyplot
@@ -303,12 +303,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true",
                    help="exact output lengths; the server then reserves them whole and never retracts")
     p.add_argument("--server-args", default="", help="more flags for every server, e.g. '--dtype bfloat16'")
-    p.add_argument("--quiet-threshold", type=float, default=0.3,
-                   help="before each point, wait until the CPU's pressure is below this share; 1 disables")
-    p.add_argument("--quiet-timeout", type=float, default=300.0, help="longest wait for a quiet CPU, s")
-    p.add_argument("--max-cpu-wait", type=float, default=0.25,
-                   help="a point with more CPU wait than this is measured again (with --retries)")
-    p.add_argument("--retries", type=int, default=0, help="extra attempts for a contended point")
+    add_quiet_cpu_args(p, "point", retries=0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default=os.path.join(BENCH_DIR, "results"))
     p.add_argument("--no-plots", action="store_true")

@@ -66,19 +66,24 @@ def top_ids(req) -> list[list[int]]:
     return [[t for _, t in top] for top in req.output_top_logprobs]
 
 
-def test_greedy_output_does_not_depend_on_what_runs_beside_it(tiny_llama_dir):
+def target_alone_and_busy(model_dir: str, **engine_args):
+    """The same greedy request run alone, then inside the busy trace on a pool
+    small enough to retract; returns (busy's req, alone's req)."""
     target = prompt(random.Random(7), 45)  # longer than a chunk: prefilled in pieces when busy
-    alone = Engine(tiny_llama_dir, max_running_requests=16, max_total_tokens=4000)
+    alone = Engine(model_dir, max_running_requests=16, max_total_tokens=4000, **engine_args)
     run_trace(alone, {0: [("target", target, TARGET_NEW, None)]})
 
-    busy = Engine(tiny_llama_dir, max_running_requests=16, max_total_tokens=120, chunked_prefill_size=16,
-                  schedule_conservativeness=0.3)
+    busy = Engine(model_dir, max_running_requests=16, max_total_tokens=120, chunked_prefill_size=16,
+                  schedule_conservativeness=0.3, **engine_args)
     arrivals = busy_trace(seed=3, sampled=False)
     arrivals.setdefault(2, []).append(("target", target, TARGET_NEW, None))
     run_trace(busy, arrivals)
-
     assert busy.sched.total_retractions >= 1, "the small pool never retracted: the trace is too light"
-    a, b = busy.reqs["target"], alone.reqs["target"]
+    return busy.reqs["target"], alone.reqs["target"]
+
+
+def test_greedy_output_does_not_depend_on_what_runs_beside_it(tiny_llama_dir):
+    a, b = target_alone_and_busy(tiny_llama_dir)
     assert a.finished_reason == b.finished_reason
     pos = greedy_parting(a.output_ids, top_ids(a), b.output_ids, top_ids(b))
     assert pos is None, f"parted at a near-tie at position {pos}: pick another seed"
@@ -105,18 +110,7 @@ def test_deterministic_flag_gives_the_same_bits_whatever_runs_beside_it(tiny_lla
     """--deterministic: not only the same tokens but the same logprobs, bit for
     bit, alone and in the busy trace (rows joining and leaving, chunked
     prefill, retraction and recompute)."""
-    target = prompt(random.Random(7), 45)
-    alone = Engine(tiny_llama_dir, max_running_requests=16, max_total_tokens=4000, deterministic=True)
-    run_trace(alone, {0: [("target", target, TARGET_NEW, None)]})
-
-    busy = Engine(tiny_llama_dir, max_running_requests=16, max_total_tokens=120, chunked_prefill_size=16,
-                  schedule_conservativeness=0.3, deterministic=True)
-    arrivals = busy_trace(seed=3, sampled=False)
-    arrivals.setdefault(2, []).append(("target", target, TARGET_NEW, None))
-    run_trace(busy, arrivals)
-
-    assert busy.sched.total_retractions >= 1, "the small pool never retracted: the trace is too light"
-    a, b = busy.reqs["target"], alone.reqs["target"]
+    a, b = target_alone_and_busy(tiny_llama_dir, deterministic=True)
     assert a.output_ids == b.output_ids
     assert a.output_token_logprobs == b.output_token_logprobs  # floats compared exactly
     assert a.output_top_logprobs == b.output_top_logprobs
