@@ -196,6 +196,10 @@ def markdown_table(points: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def whole(fits: int) -> str:
+    return f"about {fits} whole request" + ("" if fits == 1 else "s")
+
+
 def verdict(points: Sequence[dict[str, Any]], fits: int) -> str:
     """What the top of the sweep did, from the numbers."""
     ok = [p for p in points if p.get("output_throughput")]
@@ -211,7 +215,7 @@ def verdict(points: Sequence[dict[str, Any]], fits: int) -> str:
              f"{fmt(top.get('retractions'))} retractions and {fmt(top.get('mean_running_batch'))} rows per "
              "decode step")
     if top.get("retractions"):
-        return text + (f": the pool holds about {fits} whole requests, so the scheduler admitted rows it "
+        return text + (f": the pool holds {whole(fits)}, so the scheduler admitted rows it "
                        "later had to retract and recompute.")
     return text + ": no retraction, so not the KV pool (see the CPU wait and ITL columns)."
 
@@ -226,8 +230,8 @@ def report(args: argparse.Namespace, argv: Sequence[str], points: list[dict[str,
              f"Machine at the start: {machine_start}. At the end: {machine_end}. Whole sweep: "
              f"{elapsed / 60:.1f} min" + ("" if cpu_wait is None else f", CPU wait {cpu_wait:.0%} of it") + ".",
              "",
-             f"Trace: {trace}. KV pool {args.max_total_tokens} tokens (--max-total-tokens): about {fits} whole "
-             "requests at once. EOS " + ("ignored (every row is reserved its whole output: no retraction)"
+             f"Trace: {trace}. KV pool {args.max_total_tokens} tokens (--max-total-tokens): {whole(fits)} "
+             "at once. EOS " + ("ignored (every row is reserved its whole output: no retraction)"
                                          if args.ignore_eos else "honoured (the scheduler admits on its "
                                          "new_token_ratio estimate and retracts when rows outgrow the pool)")
              + ". Retractions: the scheduler's counter over the trace (its log lines agree: "

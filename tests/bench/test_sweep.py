@@ -14,11 +14,14 @@ HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
 
 def test_sweep_writes_one_row_per_value_with_the_retractions_of_each(tiny_served_model, tmp_path):
-    # 8 + 12 tokens a request: at most 19 KV slots each, 3 whole requests in 72.
-    # N = 4 admits four on the 0.7 estimate of their output (4 x 17 = 68 slots),
-    # then they outgrow the pool: retractions. N = 1 never does.
-    argv = ["--model-path", tiny_served_model, "--max-running-requests", "1", "4", "--num-prompts", "6",
-            "--random-input-len", "8", "--random-output-len", "12", "--max-total-tokens", "72",
+    # 8 + 32 tokens a request: at most 39 KV slots each, one whole request in 64.
+    # --schedule-conservativeness 0.1 makes the scheduler count on 7% of each
+    # output (8 + 3 slots a request), so N = 4 runs several rows at once and they
+    # outgrow the pool: retractions, however the eight requests' arrivals spread
+    # over the first steps (simulated: even 24 steps apart on average). N = 1 never.
+    argv = ["--model-path", tiny_served_model, "--max-running-requests", "1", "4", "--num-prompts", "8",
+            "--random-input-len", "8", "--random-output-len", "32", "--max-total-tokens", "64",
+            "--server-args=--schedule-conservativeness 0.1",
             "--quiet-threshold", "1", "--out-dir", str(tmp_path)] + ([] if HAVE_MPL else ["--no-plots"])
     points = sweep.main(argv)
 
@@ -26,7 +29,7 @@ def test_sweep_writes_one_row_per_value_with_the_retractions_of_each(tiny_served
     assert rows == json.loads(json.dumps(points))
     assert [r["max_running_requests"] for r in rows] == [1, 4]
     for r in rows:
-        assert r["status"] == "ok" and r["completed"] == 6
+        assert r["status"] == "ok" and r["completed"] == 8
         assert r["output_throughput"] > 0 and 0 < r["ratio_to_best"] <= 1
         assert r["retractions"] == r["retractions_logged"]  # the counter and the log lines agree
         assert r["decode_steps"] > 0 and r["decode_steps_complete"]
@@ -38,7 +41,7 @@ def test_sweep_writes_one_row_per_value_with_the_retractions_of_each(tiny_served
 
     md = (tmp_path / "sweep.md").read_text()
     assert "python -m bench.sweep --model-path" in md and "| 4 |" in md
-    assert "about 3 whole requests" in md
+    assert "about 1 whole request at once" in md
     if HAVE_MPL:
         assert "![throughput against --max-running-requests](sweep.png)" in md
         assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
