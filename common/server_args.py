@@ -47,6 +47,7 @@ class ServerArgs:
     # scheduling and memory
     max_running_requests: int = 32
     max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None  # weights + KV share of device memory (model_proc/kv_cache.py)
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 1024  # -1 disables chunking
     max_consecutive_prefill_batches: int = 2  # prefill batches before a decode step must run
@@ -74,6 +75,8 @@ class ServerArgs:
             raise ValueError("--max-running-requests must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError("--max-total-tokens must be >= 1")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            raise ValueError("--mem-fraction-static must be in (0, 1]")
         if self.max_prefill_tokens < 1:
             raise ValueError("--max-prefill-tokens must be >= 1")
         if self.stream_interval < 1:
@@ -131,6 +134,10 @@ class ServerArgs:
                             default=d["max_running_requests"].default)
         parser.add_argument("--max-total-tokens", type=int, default=None,
                             help="KV pool size in tokens; default: from a memory budget")
+        parser.add_argument("--mem-fraction-static", type=float, default=None,
+                            help="share of the device's memory for weights + KV cache, which sizes the "
+                                 "pool when --max-total-tokens is not given; default 0.88 on a GPU, and on a "
+                                 "CPU a quarter of the available RAM for the KV cache")
         parser.add_argument("--max-prefill-tokens", type=int,
                             default=d["max_prefill_tokens"].default)
         parser.add_argument("--chunked-prefill-size", type=int,
@@ -179,4 +186,7 @@ class ServerArgs:
         ns = parser.parse_args(argv)
         kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)
                   if getattr(ns, f.name, None) is not None}
-        return cls(**kwargs)
+        try:
+            return cls(**kwargs)
+        except ValueError as e:  # a bad value: argparse's usage line and exit status 2, no traceback
+            parser.error(str(e))

@@ -14,7 +14,8 @@ from common.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_FRACTION = 0.25  # of MemAvailable, when --max-total-tokens is not given
+CPU_KV_FRACTION = 0.25  # of MemAvailable, when neither --max-total-tokens nor --mem-fraction-static is given
+GPU_MEM_FRACTION_STATIC = 0.88  # weights + KV share of a GPU's memory, when not given
 
 
 class KVPool:
@@ -66,29 +67,54 @@ class ReqToTokenTable:
         return self.table.shape[1]
 
 
-def mem_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what the kernel can give without swapping)."""
+def _meminfo_bytes(field: str) -> int:
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+    raise RuntimeError(f"{field} not found in /proc/meminfo")
 
 
-def kv_budget_bytes(device: str) -> int:
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what the kernel can give without swapping)."""
+    return _meminfo_bytes("MemAvailable")
+
+
+def device_memory(device: str) -> tuple[int, int]:
+    """(free, total) bytes of the device: a GPU's, or this machine's RAM."""
     if torch.device(device).type == "cuda":
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return int(free * 0.8)  # after the weights are loaded; leave room for activations
-    return int(mem_available_bytes() * CPU_KV_FRACTION)
+        return torch.cuda.mem_get_info(torch.device(device))
+    return mem_available_bytes(), _meminfo_bytes("MemTotal")
 
 
-def kv_pool_size(server_args: ServerArgs, context_len: int, bytes_per_token: int) -> int:
+def kv_budget_bytes(server_args: ServerArgs, weight_bytes: int) -> int:
+    """Bytes the KV pool may take, decided before the weights reach the device.
+
+    --mem-fraction-static f (SGLang's meaning): weights and KV cache together
+    take at most f of the device's total memory, next to what is already used
+    there, so KV = f x total - used - weights; the rest (1 - f) is left for
+    activations and everything else. Without the flag a GPU takes f = 0.88
+    (SGLang's default for large GPUs) and a CPU a quarter of the available
+    RAM, since the machine runs other things too."""
+    fraction = server_args.mem_fraction_static
+    is_cuda = torch.device(server_args.device).type == "cuda"
+    if fraction is None and not is_cuda:
+        return int(mem_available_bytes() * CPU_KV_FRACTION)
+    free, total = device_memory(server_args.device)
+    fraction = GPU_MEM_FRACTION_STATIC if fraction is None else fraction
+    return int(fraction * total - (total - free) - weight_bytes)
+
+
+def kv_pool_size(server_args: ServerArgs, context_len: int, bytes_per_token: int,
+                 weight_bytes: int = 0) -> int:
     """Tokens the pool holds: the flag if given, else what the budget affords,
     never more than every running request at full context could use."""
     if server_args.max_total_tokens is not None:
         return server_args.max_total_tokens
     ceiling = server_args.max_running_requests * context_len
-    afford = kv_budget_bytes(server_args.device) // bytes_per_token
+    afford = kv_budget_bytes(server_args, weight_bytes) // bytes_per_token
     if afford < 1:
-        raise RuntimeError("no memory left for the KV cache; pass --max-total-tokens")
+        raise RuntimeError(
+            "no memory left for the KV cache once the weights are loaded: raise --mem-fraction-static "
+            f"({server_args.mem_fraction_static}) or pass --max-total-tokens")
     return max(1, min(ceiling, afford))

@@ -41,7 +41,8 @@ class ModelRunner:
 
         state = load_state_dict(self.model_path)
         bytes_per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        self.max_total_tokens = kv_pool_size(sa, self.context_len, bytes_per_token)
+        weight_bytes = sum(t.numel() for t in state.values()) * self.dtype.itemsize
+        self.max_total_tokens = kv_pool_size(sa, self.context_len, bytes_per_token, weight_bytes)
         self.kv_pool = KVPool(self.max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                               self.dtype, self.device)
         self.req_to_token = ReqToTokenTable(sa.max_running_requests, self.context_len, self.device)
