@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
 import torch
 
 
-def best_seconds(fn: Any, repeat: int) -> float:
-    fn()
+def timed_calls(fn: Any, calls: int, stat: str = "min", warmups: int = 1) -> float:
+    """`stat` (min or median) seconds of `calls` calls of fn after `warmups` untimed ones."""
+    for _ in range(warmups):
+        fn()
     times = []
-    for _ in range(repeat):
+    for _ in range(calls):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return statistics.median(times) if stat == "median" else min(times)
+
+
+def best_seconds(fn: Any, repeat: int) -> float:
+    return timed_calls(fn, repeat)
 
 
 def read_bandwidth() -> float:

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from bench.attention_bench import Timer
-from bench.machine_rates import matmul_rate, read_bandwidth
+from bench.machine_rates import matmul_rate, read_bandwidth, timed_calls
 from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
 from model_proc.dtypes import resolve_dtype
@@ -153,14 +153,7 @@ def decode_batch(runner: ModelRunner, batch: int, context: int, gen: torch.Gener
 
 def timed_steps(step: Any, steps: int, stat: str) -> float:
     """`stat` (median or min) seconds of `steps` calls after 2 warm-ups."""
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) if stat == "median" else min(times)
+    return timed_calls(step, steps, stat, warmups=2)
 
 
 class AttentionTimer(Timer):

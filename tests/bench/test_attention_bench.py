@@ -1,0 +1,43 @@
+"""bench/attention_bench.py on a tiny random model: the attention share and
+its floor, and bench/machine_rates.py's timing helper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import attention_bench
+from bench.machine_rates import timed_calls
+
+
+def test_floor_is_every_k_and_v_byte_read_once_and_the_share_it_would_leave(tiny_llama_dir, make_runner):
+    runner = make_runner(tiny_llama_dir, attention_backend="torch", max_total_tokens=256,
+                         max_running_requests=4, context_length=64)
+    attention_bench.fill_pool(runner, 4 * 32, torch.Generator().manual_seed(0))
+    cfg = runner.model_config
+    expected = 4 * 32 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32
+    assert attention_bench.kv_bytes(runner, 4, 32) == expected
+
+    bandwidth = 1e9  # bytes/s
+    [cells] = attention_bench.run_cases(runner, [(4, 32)], steps=1, bandwidth=bandwidth)
+    step_ms, attn_ms, share, floor_ms, share_at_floor = cells
+    assert 0 < float(attn_ms) < float(step_ms)
+    assert share == f"{float(attn_ms) / float(step_ms):.0%}"
+    assert float(floor_ms) == pytest.approx(1e3 * expected / bandwidth, abs=0.05)
+    floor = 1e3 * expected / bandwidth
+    assert share_at_floor == f"{floor / (float(step_ms) - float(attn_ms) + floor):.0%}"
+    # without a bandwidth only the measured three
+    assert len(attention_bench.run_cases(runner, [(1, 16)], steps=1)[0]) == 3
+
+
+def test_timed_calls_warms_up_then_takes_the_min_or_the_median(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("bench.machine_rates.time.perf_counter", lambda: now[0])
+
+    def call_taking(durations):
+        it = iter(durations)
+        return lambda: now.__setitem__(0, now[0] + next(it))
+
+    # the warm-ups (100 s each) are not timed
+    assert timed_calls(call_taking([100, 100, 5, 3, 4]), 3, "min", warmups=2) == 3
+    assert timed_calls(call_taking([100, 5, 3, 9]), 3, "median") == 5
