@@ -14,6 +14,10 @@ Stopping:
   flight with an error at once, every other child is stopped, exit code 1.
 Children also watch each other (`common.peer_watch`) and die with launch.py
 (PR_SET_PDEATHSIG), so none outlives the server even if launch.py is killed.
+Each child runs in a process group of its own: a signal sent to launch.py's
+whole group (`timeout`, `kill -TERM -PGID`, a terminal's Ctrl-C) reaches
+launch.py alone, which then stops the children in order instead of the model
+process dying under requests still in flight.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class Launcher:
     def spawn(self, name: str, module: str, model_info: ModelInfo | None) -> None:
         cfg = ChildConfig(server_args=self.args, ipc=self.ipc, model_info=model_info)
         self.children[name] = subprocess.Popen([sys.executable, "-m", module],
-                                               env=child_env(cfg), cwd=ROOT)
+                                               env=child_env(cfg), cwd=ROOT, process_group=0)
 
     def dead_child(self) -> str | None:
         """A message naming the first child that has exited, or None."""

@@ -5,6 +5,7 @@ process and socket file gone."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -89,6 +90,25 @@ def test_a_second_sigterm_aborts_what_is_left_at_once() -> None:
             assert e.is_error_answer(), e
         assert "asked twice to stop" in ended["long-plain"].final["error"]["message"]
         assert "asked twice to stop" in ended["long-stream"].finish_reason["message"]
+        assert stopped_cleanly(srv) == 0
+    finally:
+        srv.kill()
+
+
+def test_sigterm_to_the_whole_process_group_still_drains() -> None:
+    """`timeout`, `kill -TERM -PGID` and some supervisors signal every process
+    of the group: the model process must not die under the requests in flight."""
+    srv = ServerProcess("--max-running-requests", "2", "--max-total-tokens", "4096")
+    try:
+        load = InFlight(srv.url)
+        load.add("stream", long_body("Tell me a story about a dragon.", 24, stream=True))
+        assert load.started.wait(60), "the request never produced a token"
+        load.add("plain", long_body("Write a poem about rain.", 24, stream=False))
+        os.killpg(srv.proc.pid, signal.SIGTERM)  # ServerProcess starts launch.py as a group leader
+        ended = {e.name: e for e in load.results()}
+        for e in ended.values():
+            assert e.status == 200 and e.transport_error is None, e
+            assert e.finish_reason == {"type": "length", "length": 24}, e
         assert stopped_cleanly(srv) == 0
     finally:
         srv.kill()
