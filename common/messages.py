@@ -37,7 +37,12 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
 
 
 class AbortReq(msgspec.Struct, tag=True):
+    """Drop request `rid` and free its KV. `stop_matched` is set when the
+    tokenizer process ended it on a stop string (matched on the text, which
+    only it sees): the scheduler then finishes it as a stop, not an abort."""
+
     rid: str
+    stop_matched: str | None = None
 
 
 class SchedulerQuery(msgspec.Struct, tag=True):

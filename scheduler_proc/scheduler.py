@@ -90,7 +90,7 @@ class Scheduler:
             if isinstance(msg, TokenizedGenerateReq):
                 self.handle_generate_request(msg)
             elif isinstance(msg, AbortReq):
-                self.abort_request(msg.rid)
+                self.abort_request(msg.rid, msg.stop_matched)
             elif isinstance(msg, SchedulerQuery):
                 self.send_output(self.answer_query(msg))
 
@@ -155,11 +155,16 @@ class Scheduler:
                     f"KV pool ({self.allocator.size} tokens), even alone")
         return None
 
-    def abort_request(self, rid: str) -> None:
+    def abort_request(self, rid: str, stop_matched: str | None = None) -> None:
+        """Ends `rid` now: aborted by the client, or stopped by the stop string
+        the tokenizer process matched in its text."""
         req = self.reqs_by_rid.get(rid)
         if req is None or req.finished:
             return
-        req.abort("aborted by the client")
+        if stop_matched is None:
+            req.abort("aborted by the client")
+        else:
+            req.finished_reason = {"type": "stop", "matched": stop_matched}
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
         if req is self.chunked_req:

@@ -75,8 +75,9 @@ class Generation:
             self.event.clear()
             changed = [k for k, out in enumerate(self.outputs) if out.update()]
             for k in changed:
-                if self.outputs[k].stopped_here:
-                    self.manager.abort(self.outputs[k].state)  # free its KV now
+                out = self.outputs[k]
+                if out.stopped_here:  # free its KV now; the scheduler records a stop
+                    self.manager.abort(out.state, stop_matched=out.finish_reason["matched"])
             if changed:
                 yield changed
 

@@ -117,15 +117,17 @@ class TokenizerManager:
             raise
         return state
 
-    def abort(self, state: ReqState) -> None:
-        """Asks the scheduler to drop the request (its KV is freed at once). The
+    def abort(self, state: ReqState, stop_matched: str | None = None) -> None:
+        """Asks the scheduler to drop the request (its KV is freed at once), or,
+        with `stop_matched`, to end it as stopped by that stop string. The
         state stays registered until the scheduler's final row arrives."""
         if state.finished or state.abort_sent:
             return
         state.abort_sent = True
-        logger.info("abort request %s", state.rid)
+        if stop_matched is None:
+            logger.info("abort request %s", state.rid)
         try:
-            self.to_scheduler.send(AbortReq(rid=state.rid), block=False)
+            self.to_scheduler.send(AbortReq(rid=state.rid, stop_matched=stop_matched), block=False)
         except zmq.Again:
             logger.error("abort of %s not sent: the scheduler is not taking messages", state.rid)
 

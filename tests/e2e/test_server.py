@@ -69,6 +69,29 @@ def test_chat_prompt_is_answered_with_paris(server):
     assert meta["e2e_latency"] > 0
 
 
+def finished_counts(server) -> dict[str, float]:
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in
+            re.finditer(r'^batchserve_requests_finished_total\{reason="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def test_a_stop_string_finish_counts_as_a_stop_in_metrics_and_timeline(server):
+    before = finished_counts(server)
+    t0 = time.time()
+    r = generate(server, {"text": CHAT_PROMPT, "rid": "stop-at-paris",
+                          "sampling_params": {"max_new_tokens": 24, "temperature": 0, "stop": "Paris"}})
+    assert r.status_code == 200
+    out = r.json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "Paris"}
+    assert "Paris" not in out["text"]
+    after = finished_counts(server)
+    assert after.get("stop", 0) == before.get("stop", 0) + 1
+    assert after.get("abort", 0) == before.get("abort", 0)
+    events = requests.get(server.url + "/timeline", params={"since": t0}, timeout=10).json()["events"]
+    assert [e["reason"] for e in events if e.get("rid") == "stop-at-paris" and e["event"] == "finished"] \
+        == ["stop"]
+
+
 def test_concurrent_streaming_and_non_streaming_requests(server):
     prompts = [f"Count to {n}: 1, 2," for n in range(3, 9)]
     bodies = [{"text": p, "sampling_params": {"max_new_tokens": 6 + i, "temperature": 0,

@@ -178,6 +178,24 @@ def test_abort_of_running_request_frees_its_kv_at_once(overlap):
     h.assert_no_leak()
 
 
+@MODES
+def test_a_stop_string_matched_by_the_tokenizer_finishes_as_a_stop_not_an_abort(overlap):
+    """The tokenizer process matches stop strings on the text and sends an
+    AbortReq naming the match: the KV is freed at once as for an abort, but the
+    request ends (final row, timeline) as a stop, so metrics count it as one."""
+    h = Harness(disable_overlap_schedule=not overlap)
+    h.submit("a", n_prompt=10, max_new=100)
+    h.sched.step()
+    h.sched.step()
+    h.sched.process_input_requests([AbortReq(rid="a", stop_matched=" the end")])
+    assert h.sched.allocator.available() == h.sched.allocator.size
+    assert h.finals()["a"][0] == {"type": "stop", "matched": " the end"}
+    h.run_until_idle()
+    finished = [e for e in h.sched.timeline.since(0.0) if e.get("event") == "finished"]
+    assert [(e["rid"], e["reason"]) for e in finished] == [("a", "stop")]
+    h.assert_no_leak()
+
+
 def test_abort_of_waiting_request_removes_it_from_the_queue():
     h = Harness(max_running=1)
     h.submit("a", n_prompt=3, max_new=5)

@@ -7,6 +7,7 @@ import concurrent.futures
 import json
 from typing import Any
 
+from common.messages import AbortReq
 from tests.tokenizer_proc.samples import TEXT
 from tests.tokenizer_proc.server_harness import Server, open_raw, post, read_until, sse_events, wait_until
 
@@ -42,9 +43,11 @@ def test_stop_string_split_across_stream_chunks(server: Server) -> None:
     assert last["text"] == expect
     assert last["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert last["output_ids"] == ids and last["meta_info"]["completion_tokens"] == len(ids)
-    # The tokenizer finished it and told the scheduler to free its KV; the
-    # scheduler's abort row that answers is ignored (the reason stays "stop").
+    # The tokenizer finished it and told the scheduler to free its KV, naming
+    # the match, so that the scheduler records a stop (metrics, timeline).
     wait_until(lambda: "stop-stream" in server.fake.aborts())
+    assert [m.stop_matched for m in server.fake.received
+            if isinstance(m, AbortReq) and m.rid == "stop-stream"] == [stop]
     wait_until(lambda: "stop-stream" not in server.in_flight())
 
 
