@@ -231,10 +231,14 @@ class TorchAttnBackend(AttentionBackend):
             else:
                 slots = meta.kv_indices[k0:k1]
                 rk, rv = k_buf[slots], v_buf[slots]
+            # [1, heads, tokens, D]: SDPA's CPU flash kernel takes 4-d inputs
+            # only; given 3-d ones it falls back to the math path, which for a
+            # 1024-token chunk after 7168 cached tokens was 3x slower a chunk
+            # (bench/RESULTS.md, python -m bench.prefill_bench)
             o = F.scaled_dot_product_attention(
-                q[q0:q1].transpose(0, 1), rk.transpose(0, 1), rv.transpose(0, 1),
+                q[None, q0:q1].transpose(1, 2), rk[None].transpose(1, 2), rv[None].transpose(1, 2),
                 attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)
-            out[q0:q1] = o.transpose(0, 1)
+            out[q0:q1] = o[0].transpose(0, 1)
         return out
 
 
