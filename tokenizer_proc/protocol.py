@@ -84,7 +84,7 @@ def validate_sampling_params(sp: SamplingParams, prefix: str = "") -> None:
     if not 0 < sp.top_p <= 1:
         raise BadRequestError(f"{prefix}top_p must be in (0, 1]")
     if not -1 <= sp.top_k <= MAX_TOP_K:
-        raise BadRequestError(f"{prefix}top_k must be -1 (off) or in [1, {MAX_TOP_K}]")
+        raise BadRequestError(f"{prefix}top_k must be -1 or 0 (both: off), or in [1, {MAX_TOP_K}]")
     if sp.seed is not None and not 0 <= sp.seed <= MAX_SEED:
         raise BadRequestError(f"{prefix}seed must be in [0, {MAX_SEED}]")
     if sp.top_k == 0:

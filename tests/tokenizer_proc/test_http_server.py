@@ -113,7 +113,7 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
     ("temperature negative", {"text": "hi", "sampling_params": {"temperature": -0.1}}, "temperature"),
     ("top_p 0", {"text": "hi", "sampling_params": {"top_p": 0}}, "top_p"),
     ("top_p above 1", {"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
-    ("top_k -2", {"text": "hi", "sampling_params": {"top_k": -2}}, "top_k"),
+    ("top_k -2", {"text": "hi", "sampling_params": {"top_k": -2}}, "top_k must be -1 or 0 (both: off)"),
     ("min_p above 1", {"text": "hi", "sampling_params": {"min_p": 2}}, "min_p"),
     ("unknown sampling key", {"text": "hi", "sampling_params": {"frobnicate": 1}}, "frobnicate"),
     ("unknown top-level key", {"text": "hi", "sampling_param": {}}, "sampling_param"),
