@@ -1,8 +1,9 @@
 """SGLang's native `POST /generate`.
 
 Answer: `{"text", "output_ids", "meta_info"}` per output, or a JSON list of
-them for a list of prompts or n > 1 (prompt-major order). Streaming (one
-prompt, n = 1) sends the cumulative text in every event, as SGLang does.
+them for a list of prompts or n > 1 (prompt-major order). Streaming sends the
+cumulative text in every event, as SGLang does; for a list or n > 1 the
+outputs' events interleave, each with its `index` in that order.
 """
 
 from __future__ import annotations
@@ -47,8 +48,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def _events(gen: Generation, inp: GenerateInput, texts: TokenTexts | None) -> AsyncIterator[Any]:
-    async for _ in gen.updates():
-        yield output_json(gen.outputs[0], inp, texts)
+    async for changed in gen.updates():
+        if not inp.batched:
+            yield output_json(gen.outputs[0], inp, texts)
+            continue
+        for k in changed:
+            yield {**output_json(gen.outputs[k], inp, texts), "index": k}
 
 
 def output_json(out: RequestOutput, inp: GenerateInput, texts: TokenTexts | None) -> dict[str, Any]:

@@ -181,8 +181,6 @@ def parse_generate_request(
     if len(prompts) * n > MAX_OUTPUTS:
         raise BadRequestError(f"at most {MAX_OUTPUTS} outputs per request (prompts x n)")
     batched = batched or n > 1
-    if stream and batched:
-        raise BadRequestError("streaming is supported for a single prompt with n = 1 only")
     bases = _client_rids(body.get("rid"), len(prompts), batched)
 
     specs = []

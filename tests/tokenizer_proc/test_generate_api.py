@@ -212,3 +212,25 @@ def test_many_fanned_out_requests_at_once(server: Server) -> None:
         assert status == 200 and len(outs) == 6
         assert all(o["text"] == TEXT[:TEXT.index("wör")] for o in outs)
     wait_until(lambda: not server.in_flight())
+
+
+def test_streaming_a_list_with_n_interleaves_every_output_with_its_index(server: Server) -> None:
+    body = {"text": ["x", "y"], "rid": ["sl-a", "sl-b"], "sampling_params": {"n": 2, "max_new_tokens": 7}}
+    status, _, raw = post(server, body)
+    assert status == 200
+    whole = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    status, _, raw = post(server, {**body, "rid": ["st-a", "st-b"], "stream": True})
+    assert status == 200
+    events = sse_events(raw)
+    by_index: dict[int, list[dict]] = {}
+    for e in events:
+        by_index.setdefault(e["index"], []).append(e)
+    assert sorted(by_index) == [0, 1, 2, 3]  # prompt-major: x#0, x#1, y#0, y#1
+    for k, evs in by_index.items():
+        texts = [e["text"] for e in evs]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), texts  # cumulative
+        assert all(e["meta_info"]["finish_reason"] is None for e in evs[:-1])
+        last = evs[-1]
+        assert last["text"] == whole[k]["text"] and last["output_ids"] == whole[k]["output_ids"]
+        assert last["meta_info"]["finish_reason"] == whole[k]["meta_info"]["finish_reason"]
+    assert len(events) > 4  # more than one event per output: they streamed
