@@ -117,8 +117,6 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
     ("min_p above 1", {"text": "hi", "sampling_params": {"min_p": 2}}, "min_p"),
     ("unknown sampling key", {"text": "hi", "sampling_params": {"frobnicate": 1}}, "frobnicate"),
     ("unknown top-level key", {"text": "hi", "sampling_param": {}}, "sampling_param"),
-    ("streamed list", {"text": ["a", "b"], "stream": True}, "streaming"),
-    ("streamed n > 1", {"text": "a", "stream": True, "sampling_params": {"n": 2}}, "streaming"),
     ("empty prompt list", {"text": []}, "empty"),
     ("empty text in list", {"text": ["a", ""]}, "empty"),
     ("text list of ints", {"text": ["a", 5]}, "text must be"),
