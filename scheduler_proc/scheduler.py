@@ -31,6 +31,7 @@ MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20
 QUEUE_FULL_STATUS = 503
+BAD_REQUEST_STATUS = 400  # refused at admission: the request can never run here
 
 
 @dataclass
@@ -126,7 +127,7 @@ class Scheduler:
             error = f"the queue is full ({self.args.max_queued_requests} requests waiting)"
             req.abort(error, status_code=QUEUE_FULL_STATUS)
         elif error is not None:
-            req.abort(error)
+            req.abort(error, status_code=BAD_REQUEST_STATUS)
         self.timeline.request(req.rid, "arrived", prompt_tokens=len(req.origin_input_ids),
                               max_new_tokens=req.sampling_params.max_new_tokens)
         if req.finished:

@@ -82,15 +82,25 @@ class Generation:
                 yield changed
 
     async def admitted(self) -> None:
-        """Waits for the scheduler's first answer and raises a 503 if it refused
-        a request at admission (its queue is full). A streaming route calls
-        this before it sends its headers, so the refusal is an HTTP 503, not
-        an error event after a 200. The wake-up is left set for `updates()`."""
+        """Waits for the scheduler's first answer and raises its refusal if it
+        refused a request at admission. A streaming route calls this before it
+        sends its headers, so the refusal is an HTTP 503 or 400, not an error
+        event after a 200. The wake-up is left set for `updates()`."""
         await self.event.wait()
+        self.raise_refusal()
+
+    def raise_refusal(self) -> None:
+        """Raises the scheduler's refusal of a request at admission, as its HTTP
+        status: 503 (the queue is full) or 400 (it can never run here, e.g. it
+        cannot fit the KV pool even alone)."""
         for out in self.outputs:
             reason = out.state.finish_reason or {}
-            if reason.get("status_code") == 503 and not out.state.output_ids:
+            if out.state.output_ids:
+                continue
+            if reason.get("status_code") == 503:
                 raise ServiceUnavailableError(reason.get("message", "the server is overloaded"))
+            if reason.get("status_code") == 400:
+                raise BadRequestError(reason.get("message", "the request cannot run"))
 
     async def wait(self) -> None:
         async for _ in self.updates():

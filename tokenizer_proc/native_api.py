@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, TOKENIZER
-from tokenizer_proc.errors import ServiceUnavailableError, json_response
+from tokenizer_proc.errors import json_response
 from tokenizer_proc.generation import Generation
 from tokenizer_proc.logprobs import TokenTexts, native_token_logprobs, native_top_logprobs
 from tokenizer_proc.middlewares import read_body
@@ -38,9 +38,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             await gen.admitted()
             return await stream_events(request, _events(gen, inp, texts), gen.outputs[0].rid)
         await gen.wait()
-        for o in gen.outputs:  # refused at admission because the queue is full
-            if (o.finish_reason or {}).get("status_code") == 503:
-                raise ServiceUnavailableError(o.finish_reason.get("message", "the queue is full"))
+        gen.raise_refusal()  # refused at admission: queue full (503) or cannot run (400)
         outs = [output_json(o, inp, texts) for o in gen.outputs]
         return json_response(outs if inp.batched else outs[0])
     finally:

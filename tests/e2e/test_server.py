@@ -245,3 +245,22 @@ def test_client_disconnect_mid_stream_frees_the_kv():
         assert sched["free_kv_slots"] == sched["total_kv_slots"] and sched["num_running_reqs"] == 0
     finally:
         srv.kill()
+
+
+def test_a_request_that_can_never_fit_the_pool_is_a_400_on_every_route():
+    """The scheduler refuses it at admission (prompt + max_new_tokens above the
+    whole KV pool): HTTP 400 with the reason, streamed or not, native or OpenAI."""
+    srv = ServerProcess("--max-running-requests", "2", "--max-total-tokens", "300")
+    try:
+        body = {"input_ids": [100] * 100, "sampling_params": {"max_new_tokens": 250}}
+        for stream in (False, True):
+            r = generate(srv, {**body, "stream": stream})
+            assert r.status_code == 400, (stream, r.text)
+            assert "can never fit in the KV pool (300 tokens)" in r.json()["error"]["message"]
+        r = requests.post(srv.url + "/v1/completions", json={"prompt": [100] * 100, "max_tokens": 250},
+                          timeout=60)
+        assert r.status_code == 400 and "can never fit" in r.json()["error"]["message"]
+        ok = generate(srv, {"input_ids": [100] * 10, "sampling_params": {"max_new_tokens": 5}})
+        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 5  # others still served
+    finally:
+        srv.kill()

@@ -215,6 +215,7 @@ def test_request_that_can_never_fit_in_the_pool_gets_an_error_not_a_hang():
     h.run_until_idle()
     reason, _ = h.finals()["big"]
     assert reason["type"] == "abort" and "KV pool" in reason["message"]
+    assert reason["status_code"] == 400  # the HTTP layer answers 400, not a 200 with nothing
     assert h.finals()["ok"][0]["type"] == "length"
     h.assert_no_leak()
 
