@@ -10,7 +10,8 @@ from bench import attention_bench
 from bench.machine_rates import timed_calls
 
 
-def test_floor_is_every_k_and_v_byte_read_once_and_the_share_it_would_leave(tiny_llama_dir, make_runner):
+def test_floor_is_every_k_and_v_byte_read_once_and_the_share_it_would_leave(tiny_llama_dir, make_runner,
+                                                                             monkeypatch):
     runner = make_runner(tiny_llama_dir, attention_backend="torch", max_total_tokens=256,
                          max_running_requests=4, context_length=64)
     attention_bench.fill_pool(runner, 4 * 32, torch.Generator().manual_seed(0))
@@ -18,16 +19,18 @@ def test_floor_is_every_k_and_v_byte_read_once_and_the_share_it_would_leave(tiny
     expected = 4 * 32 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32
     assert attention_bench.kv_bytes(runner, 4, 32) == expected
 
-    bandwidth = 1e9  # bytes/s
+    # the real measurement: the backend's time is part of the step's
+    step, attn = attention_bench.measure(runner, attention_bench.decode_batch(runner, 4, 32), steps=1)
+    assert 0 < attn < step
+
+    # the cells, from a known measurement
+    monkeypatch.setattr(attention_bench, "measure", lambda runner, batch, steps: (0.100, 0.040))
+    bandwidth = expected / 0.020  # bytes/s: the floor is 20 ms
     [cells] = attention_bench.run_cases(runner, [(4, 32)], steps=1, bandwidth=bandwidth)
-    step_ms, attn_ms, share, floor_ms, share_at_floor = cells
-    assert 0 < float(attn_ms) < float(step_ms)
-    assert share == f"{float(attn_ms) / float(step_ms):.0%}"
-    assert float(floor_ms) == pytest.approx(1e3 * expected / bandwidth, abs=0.05)
-    floor = 1e3 * expected / bandwidth
-    assert share_at_floor == f"{floor / (float(step_ms) - float(attn_ms) + floor):.0%}"
+    # step 100 ms, attention 40 ms (40%); at its 20 ms floor: 20 / (100 - 40 + 20) = 25%
+    assert cells == ["100.0", "40.0", "40%", "20.0", "25%"]
     # without a bandwidth only the measured three
-    assert len(attention_bench.run_cases(runner, [(1, 16)], steps=1)[0]) == 3
+    assert attention_bench.run_cases(runner, [(1, 16)], steps=1) == [["100.0", "40.0", "40%"]]
 
 
 def test_timed_calls_warms_up_then_takes_the_min_or_the_median(monkeypatch):
