@@ -30,6 +30,9 @@ class ModelRunner:
     def __init__(self, server_args: ServerArgs) -> None:
         sa = self.server_args = server_args
         self.device = torch.device(sa.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {sa.device}: torch sees no CUDA device on this machine "
+                             "(torch.cuda.is_available() is False); use --device cpu")
         self.dtype = resolve_dtype(sa.dtype, self.device)
         self.model_path = resolve_model_path(sa.model_path, sa.cache_dir)
         config = _read_json(os.path.join(self.model_path, "config.json"))

@@ -589,6 +589,9 @@ class Scheduler:
             "batching": self.args.batching,
             "num_running_reqs": len(self.running_batch) if self.running_batch else 0,
             "num_waiting_reqs": len(self.waiting_queue),
+            # admitted, part of its prompt in the pool, the rest still to prefill:
+            # neither in the running batch nor waiting
+            "num_chunked_prefill_reqs": 0 if self.chunked_req is None else 1,
             "free_kv_slots": self.allocator.available(),
             "total_kv_slots": self.allocator.size,
             "free_req_rows": self.req_to_token_pool.available(),

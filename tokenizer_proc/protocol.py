@@ -108,8 +108,8 @@ def check_fits_context(n_prompt: int, max_new_tokens: int, context_len: int,
                        max_new_name: str = "max_new_tokens") -> None:
     if n_prompt >= context_len:
         raise BadRequestError(
-            f"the input ({n_prompt} tokens) is longer than the model's context length "
-            f"({context_len} tokens)")
+            f"the input ({n_prompt} tokens) must be shorter than the model's context length "
+            f"({context_len} tokens), to leave room for at least one new token")
     if n_prompt + max_new_tokens > context_len:
         raise BadRequestError(
             f"requested {n_prompt} prompt tokens + {max_new_tokens} {max_new_name} = "

@@ -28,6 +28,10 @@ class Tokenizer(Protocol):
         ...
 
 
+# any of these makes a folder one that transformers' AutoTokenizer can load
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
 def load_tokenizer(path: str) -> Tokenizer:
     """A folder with tokenizer.json is a HF fast tokenizer; a folder with only
     tokenizer.model (or a .model file itself) is SentencePiece."""
@@ -40,6 +44,9 @@ def load_tokenizer(path: str) -> Tokenizer:
     sp_file = os.path.join(path, "tokenizer.model")
     if not os.path.exists(os.path.join(path, "tokenizer.json")) and os.path.exists(sp_file):
         return SentencePieceTokenizer(sp_file)
+    if not any(os.path.exists(os.path.join(path, f)) for f in HF_TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer in {path}: expected tokenizer.json (Hugging Face) or "
+                                "tokenizer.model (SentencePiece)")
     return HFTokenizer(path)
 
 

@@ -88,3 +88,9 @@ def test_half_precision_runner_stays_close_to_float32(dtype, tiny_llama_dir, mak
     assert runner.kv_pool.k_buffer[0].dtype == getattr(torch, dtype)
     assert logits[dtype].dtype == torch.float32
     assert (logits[dtype] - logits["float32"]).abs().max() < 0.25 * logits["float32"].std()
+
+
+def test_cuda_device_without_cuda_is_a_clear_error(tiny_llama_dir, make_runner, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--device cuda: torch sees no CUDA device"):
+        make_runner(tiny_llama_dir, device="cuda", attention_backend="torch")

@@ -239,3 +239,15 @@ def test_duplicate_rid_in_flight_is_dropped_without_touching_the_first():
     h.run_until_idle()
     assert h.finals()["a"] == ({"type": "length", "length": 5}, 5)
     h.assert_no_leak()
+
+
+def test_state_counts_the_request_in_chunked_prefill():
+    h = Harness(chunked_prefill_size=16, disable_overlap_schedule=True)
+    h.submit("long", n_prompt=50, max_new=3)
+    h.sched.step()  # the first 16-token chunk
+    state = h.sched.state()
+    assert (state["num_running_reqs"], state["num_waiting_reqs"], state["num_chunked_prefill_reqs"]) == (0, 0, 1)
+    assert state["free_kv_slots"] == state["total_kv_slots"] - 16
+    h.run_until_idle()
+    assert h.sched.state()["num_chunked_prefill_reqs"] == 0
+    h.assert_no_leak()

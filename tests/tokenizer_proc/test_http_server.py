@@ -106,7 +106,7 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
     ("empty input_ids", {"input_ids": []}, "empty"),
     ("id too large", {"input_ids": [5, 10**6]}, "out of range"),
     ("id negative", {"input_ids": [-1]}, "out of range"),
-    ("prompt fills context", {"input_ids": [5] * CONTEXT_LEN}, "context length"),
+    ("prompt fills context", {"input_ids": [5] * CONTEXT_LEN}, "must be shorter than the model's context length"),
     ("prompt + max_new over context",
      {"input_ids": [5] * 100, "sampling_params": {"max_new_tokens": CONTEXT_LEN - 99}}, "context length"),
     ("max_new_tokens 0", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),

@@ -28,6 +28,12 @@ def test_missing_path_is_an_error(tmp_path: Path) -> None:
         load_tokenizer(str(tmp_path / "nope"))
 
 
+def test_a_folder_without_tokenizer_files_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="no tokenizer in .*tokenizer.json.*tokenizer.model"):
+        load_tokenizer(str(tmp_path))
+
+
 def test_sentencepiece_interface(sp_model_file: Path) -> None:
     tok = load_tokenizer(str(sp_model_file))
     assert isinstance(tok, SentencePieceTokenizer)
