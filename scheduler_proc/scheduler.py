@@ -481,7 +481,7 @@ class Scheduler:
             self.num_decode_steps += 1
             self.decode_tokens_since_log += len(step.reqs)
             if self.num_decode_steps % DECODE_LOG_INTERVAL == 0:
-                self.log_decode_stats()
+                self.log_decode_stats(len(step.reqs))
         self.stream_output(step.reqs)
 
     def release_req(self, req: Req, retracting: bool = False) -> None:
@@ -604,14 +604,16 @@ class Scheduler:
             "total_row_steps": self.total_row_steps,
         }
 
-    def log_decode_stats(self) -> None:
+    def log_decode_stats(self, running: int) -> None:
+        """`running`: the rows of the decode step just finished (with overlap the
+        running batch may already have lost rows that ended in it)."""
         now = time.perf_counter()
         throughput = self.decode_tokens_since_log / max(now - self.last_decode_log_time, 1e-9)
         num_tokens = self.allocator.size - self.allocator.available()
         logger.info(
             "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
             "gen throughput (token/s): %.2f, #queue-req: %d, batch utilisation: %.3f",
-            len(self.running_batch) if self.running_batch else 0, num_tokens,
+            running, num_tokens,
             self.token_usage(), throughput, len(self.waiting_queue), self.utilisation())
         self.last_decode_log_time = now
         self.decode_tokens_since_log = 0

@@ -1,5 +1,7 @@
 """The scheduler loop driven by a fake model (isolates the scheduler)."""
 
+import logging
+
 import pytest
 
 from common.messages import AbortReq, BatchTokenOut, SamplingParams, TokenizedGenerateReq
@@ -250,4 +252,19 @@ def test_state_counts_the_request_in_chunked_prefill():
     assert state["free_kv_slots"] == state["total_kv_slots"] - 16
     h.run_until_idle()
     assert h.sched.state()["num_chunked_prefill_reqs"] == 0
+    h.assert_no_leak()
+
+
+@MODES
+def test_decode_log_line_counts_the_rows_of_the_step_it_reports(overlap, caplog):
+    """The 40th decode step is the last of all three rows: with overlap they
+    have left the running batch before its result is read; the line still
+    reports the step's 3 rows, not 0."""
+    h = Harness(disable_overlap_schedule=not overlap)
+    for rid in ("a", "b", "c"):
+        h.submit(rid, n_prompt=5, max_new=41)  # 1 token from the prefill + 40 decode steps
+    with caplog.at_level(logging.INFO, logger="scheduler_proc.scheduler"):
+        h.run_until_idle()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decode batch.")]
+    assert len(lines) == 1 and "#running-req: 3," in lines[0], lines
     h.assert_no_leak()
