@@ -185,3 +185,13 @@ class RunnerDriver:
             for o, t in zip(out, ids):
                 o.append(t)
         return out
+
+    def teacher_forced_logits(self, prompt: list[int], answer: list[int]) -> torch.Tensor:
+        """Float32 logits [len(answer), vocab] predicting each answer token, the
+        way serving computes them: the prompt in one extend, then one decode
+        step per answer token, fed the given answer rather than our samples."""
+        row = self.new_row()
+        out = [self.runner.compute_logits(self.extend([row], [prompt]))[0]]
+        for t in answer[:-1]:
+            out.append(self.runner.compute_logits(self.decode([row], [t]))[0])
+        return torch.stack(out)

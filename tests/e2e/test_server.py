@@ -13,9 +13,15 @@ import pytest
 import requests
 
 from tests.e2e.server_process import ServerProcess, children_of, cmdline, pid_alive
+from tests.reliability.inflight import UNBOUNDED_TOKENS
 
+# "Answer in one sentence." matters: without it the first answer token is a near
+# tie in float32 ("The" 25.33 vs "L" 25.24), and the default bfloat16 (on a CPU
+# with native bfloat16) may start "L'Étoile..." as well as "The capital...";
+# with it the margin is 1.5, well above bfloat16's rounding of the logits.
 CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
-               "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?"
+               "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France? "
+               "Answer in one sentence."
                "<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -191,7 +197,7 @@ def test_queue_limit_gives_503_and_meta_info_reports_queue_time():
         # A streaming request refused at admission gets an HTTP 503 too, not a
         # 200 with an error event: the headers wait for the scheduler's answer.
         long_body = {"text": "Tell me a long story.",
-                     "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+                     "sampling_params": {"max_new_tokens": UNBOUNDED_TOKENS, "ignore_eos": True}}
 
         def wait_for(running: int, waiting: int) -> None:
             deadline = time.monotonic() + 60
@@ -228,7 +234,7 @@ def test_client_disconnect_mid_stream_frees_the_kv():
     srv = ServerProcess("--max-running-requests", "2")
     try:
         body = {"text": "Write a very long essay about the sea.", "stream": True,
-                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+                "sampling_params": {"max_new_tokens": UNBOUNDED_TOKENS, "ignore_eos": True}}
         with requests.post(srv.url + "/generate", json=body, stream=True, timeout=60) as r:
             lines = r.iter_lines()
             while not next(lines).startswith(b"data: "):

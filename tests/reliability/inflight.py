@@ -14,6 +14,13 @@ from typing import Any
 import requests
 
 CLIENT_TIMEOUT_S = 90.0  # a hung request fails the test rather than the suite
+# A request that outlives any test on any machine: no CPU or GPU generates this
+# many tokens of the default model within CLIENT_TIMEOUT_S (a test must not rely
+# on a fixed token count outlasting a fixed timeout: a fast machine finishes it).
+# It fits SmolLM2's 8192-token context; a server running R of them needs
+# --max-total-tokens of at least R * (UNBOUNDED_TOKENS + prompt).
+UNBOUNDED_TOKENS = 8000
+UNBOUNDED_POOL = "16384"  # --max-total-tokens for two such rows
 
 
 @dataclass

@@ -12,11 +12,12 @@ import time
 import pytest
 
 from tests.e2e.server_process import ServerProcess, pid_alive
-from tests.reliability.inflight import Ended, InFlight, health_code, long_body
+from tests.reliability.inflight import (UNBOUNDED_POOL, UNBOUNDED_TOKENS, Ended, InFlight, health_code,
+                                        long_body)
 from tests.reliability.server_probe import (child_pid, ipc_dir, scheduler_state, stopped_cleanly,
                                             wait_gone)
 
-FLAGS = ("--max-running-requests", "2", "--max-total-tokens", "4096")
+FLAGS = ("--max-running-requests", "2", "--max-total-tokens", UNBOUNDED_POOL)
 ANSWER_WITHIN_S = 5.0
 
 
@@ -24,11 +25,11 @@ def start_two_running_two_queued(srv: ServerProcess) -> InFlight:
     """Two running rows (one streaming, one not) and two queued requests,
     all far from done."""
     load = InFlight(srv.url)
-    load.add("running-stream", long_body("Tell me a story about a dragon.", 400, stream=True))
+    load.add("running-stream", long_body("Tell me a story about a dragon.", UNBOUNDED_TOKENS, stream=True))
     assert load.started.wait(60), "the first request never produced a token"
-    load.add("running-plain", long_body("Write a poem about rain.", 400, stream=False))
-    load.add("queued-stream", long_body("List every prime number.", 400, stream=True))
-    load.add("queued-plain", long_body("Describe the ocean.", 400, stream=False))
+    load.add("running-plain", long_body("Write a poem about rain.", UNBOUNDED_TOKENS, stream=False))
+    load.add("queued-stream", long_body("List every prime number.", UNBOUNDED_TOKENS, stream=True))
+    load.add("queued-plain", long_body("Describe the ocean.", UNBOUNDED_TOKENS, stream=False))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         state = scheduler_state(srv)

@@ -12,7 +12,8 @@ import time
 import requests
 
 from tests.e2e.server_process import ServerProcess
-from tests.reliability.inflight import InFlight, health_code, long_body
+from tests.reliability.inflight import (UNBOUNDED_POOL, UNBOUNDED_TOKENS, InFlight, health_code,
+                                        long_body)
 from tests.reliability.server_probe import scheduler_state, stopped_cleanly
 
 SHUTDOWN_TIMEOUT_S = 8.0
@@ -20,16 +21,16 @@ SHORT_TOKENS = 3
 
 
 def test_sigterm_drains_then_aborts_what_is_left() -> None:
-    srv = ServerProcess("--max-running-requests", "4", "--max-total-tokens", "4096",
+    srv = ServerProcess("--max-running-requests", "4", "--max-total-tokens", UNBOUNDED_POOL,
                         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S))
     try:
         keep_alive = requests.Session()
         assert keep_alive.get(srv.url + "/health", timeout=10).status_code == 200
 
         load = InFlight(srv.url)
-        load.add("long-stream", long_body("Tell me a story about a dragon.", 400, stream=True))
+        load.add("long-stream", long_body("Tell me a story about a dragon.", UNBOUNDED_TOKENS, stream=True))
         assert load.started.wait(60), "the first request never produced a token"
-        load.add("long-plain", long_body("Write a poem about rain.", 400, stream=False))
+        load.add("long-plain", long_body("Write a poem about rain.", UNBOUNDED_TOKENS, stream=False))
         load.add("short-plain", long_body("Describe the ocean.", SHORT_TOKENS, stream=False))
         load.add("short-stream", long_body("Count to ten.", SHORT_TOKENS, stream=True))
         deadline = time.monotonic() + 30  # all four running (or a short one done already)
@@ -58,7 +59,7 @@ def test_sigterm_drains_then_aborts_what_is_left() -> None:
             assert e.status == 200 and e.transport_error is None, e
             assert e.finish_reason["type"] == "abort", e
             assert "--shutdown-timeout" in e.finish_reason["message"], e
-            assert len(e.final["output_ids"]) < 400
+            assert len(e.final["output_ids"]) < UNBOUNDED_TOKENS
             assert SHUTDOWN_TIMEOUT_S - 0.5 <= e.ended_at - t0 <= SHUTDOWN_TIMEOUT_S + 5, \
                 f"{name} ended {e.ended_at - t0:.1f} s after SIGTERM"
         assert ended["long-stream"].done  # the stream was closed properly
@@ -68,12 +69,12 @@ def test_sigterm_drains_then_aborts_what_is_left() -> None:
 
 
 def test_a_second_sigterm_aborts_what_is_left_at_once() -> None:
-    srv = ServerProcess("--max-running-requests", "2", "--max-total-tokens", "4096")  # 30 s
+    srv = ServerProcess("--max-running-requests", "2", "--max-total-tokens", UNBOUNDED_POOL)  # 30 s
     try:
         load = InFlight(srv.url)
-        load.add("long-stream", long_body("Tell me a story about a dragon.", 400, stream=True))
+        load.add("long-stream", long_body("Tell me a story about a dragon.", UNBOUNDED_TOKENS, stream=True))
         assert load.started.wait(60), "the first request never produced a token"
-        load.add("long-plain", long_body("Write a poem about rain.", 400, stream=False))
+        load.add("long-plain", long_body("Write a poem about rain.", UNBOUNDED_TOKENS, stream=False))
         deadline = time.monotonic() + 30
         while scheduler_state(srv)["num_running_reqs"] < 2:
             assert time.monotonic() < deadline, "the requests never both ran"

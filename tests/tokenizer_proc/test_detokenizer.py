@@ -60,6 +60,5 @@ def test_flush_emits_incomplete_tail(sp_model_file: Path) -> None:
     assert pieces[-1].endswith("\ufffd")  # only the final flush may carry one
 
 
-@pytest.mark.skipif(not Path("/tmp/smol/tokenizer.json").exists(), reason="no SmolLM2 folder at /tmp/smol")
-def test_round_trip_smollm2() -> None:
-    check_round_trip(load_tokenizer("/tmp/smol"), TEXT + " “quotes”  two  spaces \n")
+def test_round_trip_smollm2(default_model_dir: str) -> None:
+    check_round_trip(load_tokenizer(default_model_dir), TEXT + " “quotes”  two  spaces \n")

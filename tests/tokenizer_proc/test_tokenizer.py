@@ -69,9 +69,8 @@ def test_hf_interface(hf_folder: Path) -> None:
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.mark.skipif(not Path("/tmp/smol/tokenizer.json").exists(), reason="no SmolLM2 folder at /tmp/smol")
-def test_real_smollm2_tokenizer() -> None:
-    tok = load_tokenizer("/tmp/smol")
+def test_real_smollm2_tokenizer(default_model_dir: str) -> None:
+    tok = load_tokenizer(default_model_dir)
     assert tok.eos_token_ids[0] == 2
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert tok.decode(chat, skip_special_tokens=False).endswith(
