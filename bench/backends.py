@@ -147,6 +147,7 @@ async def _read_stream(backend: str, resp: aiohttp.ClientResponse, res: RequestR
             clock.saw(meta["completion_tokens"], now)
             res.generated_text = ev["text"]
             res.prompt_len, res.output_len = meta["prompt_tokens"], meta["completion_tokens"]
+            res.cached_tokens = meta.get("cached_tokens", 0)
             reason = meta.get("finish_reason") or {}
             if reason.get("type") == "abort":
                 res.error = f"aborted: {reason.get('message')}"
@@ -163,8 +164,7 @@ async def _read_stream(backend: str, resp: aiohttp.ClientResponse, res: RequestR
             clock.saw(chunks, now)
             res.generated_text += delta
         if ev.get("usage"):
-            res.prompt_len = ev["usage"].get("prompt_tokens", 0)
-            res.output_len = ev["usage"].get("completion_tokens", UNKNOWN)
+            _read_usage(ev["usage"], res)
     if clock.ttft is None:
         clock.ttft = time.perf_counter() - res.start  # nothing visible came (all special tokens)
     res.ttft, res.itl = clock.ttft, clock.itl
@@ -179,9 +179,15 @@ def _read_whole(backend: str, obj: Any, res: RequestResult) -> None:
         meta = obj["meta_info"]
         res.generated_text = obj["text"]
         res.prompt_len, res.output_len = meta["prompt_tokens"], meta["completion_tokens"]
+        res.cached_tokens = meta.get("cached_tokens", 0)
         return
     c = obj["choices"][0]
     res.generated_text = c.get("text") if backend == "openai" else c["message"].get("content") or ""
-    usage = obj.get("usage") or {}
+    _read_usage(obj.get("usage") or {}, res)
+
+
+def _read_usage(usage: dict[str, Any], res: RequestResult) -> None:
+    """OpenAI's usage; cached prompt tokens are in prompt_tokens_details where a server reports them."""
     res.prompt_len = usage.get("prompt_tokens", 0)
     res.output_len = usage.get("completion_tokens", UNKNOWN)
+    res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0

@@ -3,6 +3,13 @@
 Length generators are pure functions of a numpy Generator, so a seed fixes the
 trace; `sample_rows` turns lengths into prompts with a tokenizer. Nothing is
 ever downloaded: `sharegpt` reads a local file given with --dataset-path.
+
+Two traces exercise a prefix cache: `generated-shared-prefix` (SGLang's: groups
+of prompts that share a random system prompt) and `multi-turn` (conversations
+whose every turn resends the whole conversation so far). A multi-turn trace is
+only the users' questions: each answer comes from the server, so the client
+builds turn k+1's prompt once turn k has been answered (bench_serving's
+`run_conversations`).
 """
 
 from __future__ import annotations
@@ -14,7 +21,17 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-DATASETS = ("random", "random-ids", "exponential", "chapter-example", "sharegpt")
+DATASETS = ("random", "random-ids", "exponential", "chapter-example", "sharegpt", "generated-shared-prefix",
+            "multi-turn")
+
+GSP_SEPARATOR = "\n\n"  # between a group's system prompt and each question, as SGLang joins them
+
+# A conversation is rendered as ChatML text (SmolLM2's, the default model's, format; plain
+# characters to other tokenizers). A turn's prompt ends where the answer starts, and the next
+# turn's prompt is that prompt + the answer + ANSWER_END + the next question: every prompt
+# begins with the whole previous prompt, which is what a prefix cache can reuse.
+USER_TURN = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+ANSWER_END = "<|im_end|>\n"
 
 # The chapter's eight-request batch: "some one-line answers, one long
 # explanation", output lengths summing to 1968 with a longest of 1024, so a
@@ -40,6 +57,30 @@ class DatasetRow:
     prompt: str | list[int]  # text, or token ids (random-ids)
     prompt_len: int  # tokens, by the client's tokenizer
     output_len: int  # max_new_tokens asked for
+    group: int = -1  # generated-shared-prefix: which system prompt the row starts with
+    prefix_len: int = 0  # generated-shared-prefix: tokens of that system prompt (client's count)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One multi-turn conversation: the user's questions, in order; every answer
+    is asked for with output_len tokens and comes from the server."""
+
+    questions: tuple[str, ...]
+    question_lens: tuple[int, ...]  # tokens of each question, by the client's tokenizer
+    output_len: int
+
+
+def turn_prompt(history: str, question: str) -> str:
+    """The prompt of a turn: the conversation so far (earlier prompts and
+    answers, see `next_history`) and the new question, up to the answer."""
+    return history + USER_TURN.format(question)
+
+
+def next_history(prompt: str, answer: str) -> str:
+    """The conversation after a turn's answer: that turn's prompt, the answer
+    as the server returned it, and the end of the assistant's turn."""
+    return prompt + answer + ANSWER_END
 
 
 # ---- lengths ------------------------------------------------------------------------------
@@ -155,14 +196,66 @@ def sharegpt_rows(path: str, tokenizer: TextTokenizer, rng: np.random.Generator,
     return rows
 
 
+def shared_prefix_rows(rng: np.random.Generator, tokenizer: TextTokenizer, num_groups: int,
+                       prompts_per_group: int, system_prompt_len: int, question_len: int,
+                       output_len: int) -> list[DatasetRow]:
+    """SGLang's generated-shared-prefix: num_groups random system prompts of
+    system_prompt_len tokens, each followed (after GSP_SEPARATOR) by
+    prompts_per_group random questions of question_len tokens; every output is
+    output_len tokens. Text, as `random`, from random ids; the rows are
+    shuffled, so a group's prompts do not arrive back to back. The counts are
+    the client tokenizer's on the text (decode then encode is not always the
+    identity)."""
+    if min(num_groups, prompts_per_group, system_prompt_len, question_len, output_len) < 1:
+        raise ValueError("the --gsp-* counts and lengths must be >= 1")
+    banned = special_ids(tokenizer)
+    rows = []
+    for group in range(num_groups):
+        system, prefix_len = text_prompt(tokenizer, random_ids(rng, system_prompt_len, tokenizer.vocab_size, banned))
+        for _ in range(prompts_per_group):
+            question = tokenizer.decode(random_ids(rng, question_len, tokenizer.vocab_size, banned))
+            prompt = system + GSP_SEPARATOR + question
+            rows.append(DatasetRow(prompt, len(tokenizer.encode(prompt)), output_len, group, prefix_len))
+    return [rows[int(i)] for i in rng.permutation(len(rows))]
+
+
+def conversations(rng: np.random.Generator, tokenizer: TextTokenizer, num: int, turns: int,
+                  question_len: int, output_len: int) -> list[Conversation]:
+    """`num` conversations of `turns` random questions of question_len tokens each."""
+    if min(num, turns, question_len, output_len) < 1:
+        raise ValueError("the --multi-turn-* counts and lengths must be >= 1")
+    banned = special_ids(tokenizer)
+    convs = []
+    for _ in range(num):
+        qs = [text_prompt(tokenizer, random_ids(rng, question_len, tokenizer.vocab_size, banned))
+              for _ in range(turns)]
+        convs.append(Conversation(tuple(q for q, _ in qs), tuple(n for _, n in qs), output_len))
+    return convs
+
+
+def sample_conversations(tokenizer: TextTokenizer, *, num: int, turns: int, question_len: int,
+                         output_len: int, seed: int) -> list[Conversation]:
+    return conversations(np.random.default_rng(seed), tokenizer, num, turns, question_len, output_len)
+
+
 def sample_rows(name: str, tokenizer: TextTokenizer, *, num: int, seed: int, input_len: int,
                 output_len: int, range_ratio: float = 0.0, chapter_scale: float = 1.0,
                 exponential_max_len: int | None = None, dataset_path: str | None = None,
-                sharegpt_output_len: int | None = None, sharegpt_context_len: int = 2048) -> list[DatasetRow]:
+                sharegpt_output_len: int | None = None, sharegpt_context_len: int = 2048,
+                gsp: dict[str, int] | None = None) -> list[DatasetRow]:
     """The trace --dataset-name asks for. For `exponential`, output_len is the
     mean; prompts are uniform as in `random`. `chapter-example` fixes the output
-    lengths (scaled) and uses input_len for every prompt."""
+    lengths (scaled) and uses input_len for every prompt.
+    `generated-shared-prefix` takes its sizes from `gsp` (shared_prefix_rows'
+    keyword arguments) and ignores num, input_len and output_len, as SGLang
+    does. `multi-turn` is not a list of rows: see `sample_conversations`."""
     rng = np.random.default_rng(seed)
+    if name == "generated-shared-prefix":
+        if gsp is None:
+            raise ValueError("generated-shared-prefix needs its sizes (gsp=...)")
+        return shared_prefix_rows(rng, tokenizer, **gsp)
+    if name == "multi-turn":
+        raise ValueError("multi-turn is a set of conversations: use sample_conversations")
     if name == "sharegpt":
         if not dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path (nothing is downloaded)")

@@ -7,6 +7,8 @@ Definitions (as SGLang's bench_serving):
   (latency - TTFT) / (output tokens - 1); E2E: send to last token.
 - Throughputs are over the benchmark's duration; concurrency is the summed
   request latency over that duration (mean number of requests in flight).
+- Cache hit rate: the prompt tokens the server found in its prefix cache
+  (`meta_info.cached_tokens`) over all prompt tokens, both the server's counts.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 class RequestResult:
     success: bool = False
     prompt_len: int = 0  # by the server (meta_info / usage)
+    cached_tokens: int = 0  # of the prompt, found in the server's prefix cache (meta_info / usage)
     output_len: int = 0  # by the server
     retokenized_output_len: int = 0  # the returned text encoded again by the client
     client_prompt_len: int = 0  # the prompt by the client's tokenizer
@@ -63,6 +66,7 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, An
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_len for r in ok)
+    total_cached = sum(r.cached_tokens for r in ok)
     duration = max(duration, 1e-9)
     out: dict[str, Any] = {
         "duration": duration,
@@ -70,6 +74,8 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, An
         "failed": len(results) - len(ok),
         "total_input_tokens": total_in,
         "total_input_tokens_client": sum(r.client_prompt_len for r in ok),
+        "total_cached_tokens": total_cached,
+        "cache_hit_rate": total_cached / total_in if total_in else 0.0,
         "total_output_tokens": total_out,
         "total_output_tokens_retokenized": sum(r.retokenized_output_len for r in ok),
         "request_throughput": len(ok) / duration,
@@ -101,6 +107,8 @@ def format_summary(s: dict[str, Any], title: str = "Serving Benchmark Result") -
         ("Benchmark duration (s):", "duration"),
         ("Total input tokens:", "total_input_tokens"),
         ("Total input tokens (client tokenizer):", "total_input_tokens_client"),
+        ("Total cached input tokens (server):", "total_cached_tokens"),
+        ("Cache hit rate (cached / input tokens):", "cache_hit_rate"),
         ("Total generated tokens:", "total_output_tokens"),
         ("Total generated tokens (retokenized):", "total_output_tokens_retokenized"),
         ("Request throughput (req/s):", "request_throughput"),

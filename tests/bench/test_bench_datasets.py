@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from bench.datasets import (CHAPTER_OUTPUT_LENS, chapter_lens, exponential_lens, poisson_arrivals,
-                            sample_rows, uniform_lens)
+from bench.datasets import (CHAPTER_OUTPUT_LENS, GSP_SEPARATOR, chapter_lens, exponential_lens, next_history,
+                            poisson_arrivals, sample_conversations, sample_rows, turn_prompt, uniform_lens)
 
 
 class CharTokenizer:
@@ -113,3 +113,55 @@ def test_sharegpt_reads_a_local_file_and_needs_one(tmp_path):
     assert sorted(r.output_len for r in rows) == [4, 8, 12, 16, 20, 24]  # the 2-token prompt is dropped
     with pytest.raises(ValueError, match="dataset-path"):
         sample_rows("sharegpt", CharTokenizer(), num=1, seed=0, input_len=1, output_len=1)
+
+
+GSP = dict(num_groups=4, prompts_per_group=5, system_prompt_len=40, question_len=7, output_len=9)
+
+
+def test_shared_prefix_prompts_of_a_group_share_exactly_its_system_prompt():
+    rows = sample_rows("generated-shared-prefix", CharTokenizer(), num=0, seed=2, input_len=0, output_len=0, gsp=GSP)
+    assert len(rows) == 4 * 5  # groups x prompts per group; --num-prompts plays no part, as in SGLang
+    assert sorted(r.group for r in rows) == sorted(list(range(4)) * 5)
+    assert [r.group for r in rows] != sorted(r.group for r in rows)  # shuffled: groups do not come in runs
+    systems = {}
+    for r in rows:
+        system, question = r.prompt.split(GSP_SEPARATOR)
+        assert systems.setdefault(r.group, system) == system  # one system prompt per group
+        assert len(system) == r.prefix_len == 40 and len(question) == 7
+        assert r.prompt_len == len(r.prompt) == 40 + len(GSP_SEPARATOR) + 7 and r.output_len == 9
+    assert len(set(systems.values())) == 4  # and no two groups share theirs
+    questions = [r.prompt.split(GSP_SEPARATOR)[1] for r in rows]
+    assert len(set(questions)) == len(questions)
+    assert not set("ab") & set("".join(systems.values()) + "".join(questions))  # no special ids
+
+
+def test_shared_prefix_trace_is_seeded():
+    tok = CharTokenizer()
+    a = sample_rows("generated-shared-prefix", tok, num=0, seed=5, input_len=0, output_len=0, gsp=GSP)
+    assert a == sample_rows("generated-shared-prefix", tok, num=0, seed=5, input_len=0, output_len=0, gsp=GSP)
+    assert a != sample_rows("generated-shared-prefix", tok, num=0, seed=6, input_len=0, output_len=0, gsp=GSP)
+    with pytest.raises(ValueError):
+        sample_rows("generated-shared-prefix", tok, num=0, seed=5, input_len=0, output_len=0,
+                    gsp={**GSP, "question_len": 0})
+
+
+def test_conversations_are_seeded_questions_of_the_asked_length():
+    tok = CharTokenizer()
+    convs = sample_conversations(tok, num=3, turns=4, question_len=6, output_len=5, seed=1)
+    assert convs == sample_conversations(tok, num=3, turns=4, question_len=6, output_len=5, seed=1)
+    assert convs != sample_conversations(tok, num=3, turns=4, question_len=6, output_len=5, seed=2)
+    assert len(convs) == 3
+    for c in convs:
+        assert len(c.questions) == 4 and c.question_lens == (6, 6, 6, 6) and c.output_len == 5
+        assert all(len(q) == 6 for q in c.questions)
+    with pytest.raises(ValueError, match="sample_conversations"):
+        sample_rows("multi-turn", tok, num=1, seed=0, input_len=1, output_len=1)
+
+
+def test_every_turn_begins_with_the_previous_prompt_and_its_answer():
+    first = turn_prompt("", "hello")
+    history = next_history(first, "an answer")
+    second = turn_prompt(history, "again")
+    assert first.endswith("hello<|im_end|>\n<|im_start|>assistant\n")
+    assert second.startswith(first + "an answer")
+    assert second.endswith("again<|im_end|>\n<|im_start|>assistant\n")
