@@ -34,6 +34,9 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     arrival_time: float = 0.0
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # requests with different salts never share cached prefixes (a shared
+    # prefix cache is a timing side channel between tenants)
+    cache_salt: str = ""
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -107,7 +110,12 @@ class ForwardBatch(msgspec.Struct, tag=True):
     (`prefix_lens` is empty; the prefix is `seq_lens[i] - 1`); an input id may
     be FUTURE_TOKEN, which the model replaces with the row's last sampled token.
     `out_cache_loc` holds the KV slot of every new token, aligned with
-    `input_ids`. The sampling lists hold one entry per row; `seeds[i]` is -1
+    `input_ids`. `table_rows`/`table_lens`/`table_slots` rewrite rows of the
+    model's `req_to_token` before the step: row `table_rows[i]` gets, for its
+    first `table_lens[i]` positions, the next `table_lens[i]` entries of the
+    flat `table_slots`. The scheduler sends them when it changed a row's
+    prefix itself (a request starting from cached KV that another request
+    computed, or moved onto the cache's copy of its own tokens). The sampling lists hold one entry per row; `seeds[i]` is -1
     for an unseeded row; `sample_steps[i]` is the number of tokens row i has
     generated so far (a seeded row's draw depends only on seed and step).
     """
@@ -126,6 +134,9 @@ class ForwardBatch(msgspec.Struct, tag=True):
     sample_steps: list[int]
     return_logprob: bool = False  # some row wants the logprob of its sampled token
     top_logprobs_nums: list[int] = []  # per row: how many top logprobs (0: none)
+    table_rows: list[int] = []
+    table_lens: list[int] = []
+    table_slots: list[int] = []
 
 
 class ForwardResult(msgspec.Struct, tag=True):

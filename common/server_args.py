@@ -58,6 +58,7 @@ class ServerArgs:
     batch_timeout_ms: float = 50.0  # dynamic batching: launch a partial batch after this
     stream_interval: int = 1
     disable_overlap_schedule: bool = False  # plain loop: read step t's result before sending t+1
+    disable_radix_cache: bool = False  # no prefix cache: every request computes its whole prompt
     # HTTP
     api_key: str = ""  # when set, every route but /health needs "Authorization: Bearer KEY"
     max_request_bytes: int = 16 * 2**20
@@ -163,6 +164,9 @@ class ServerArgs:
         parser.add_argument("--disable-overlap-schedule", action="store_true",
                             help="read each step's result before sending the next (by default "
                                  "the scheduler prepares step t+1 while the model runs step t)")
+        parser.add_argument("--disable-radix-cache", action="store_true",
+                            help="turn off the prefix cache (on by default; static and dynamic "
+                                 "batching always run without it)")
         parser.add_argument("--api-key", default=os.environ.get("API_KEY", ""),
                             help="require 'Authorization: Bearer KEY' (default: $API_KEY)")
         parser.add_argument("--max-request-bytes", type=int,

@@ -123,8 +123,13 @@ class ModelRunner:
         return self.model(input_ids, positions, meta)
 
     def _update_req_to_token(self, batch: ForwardBatch, out_cache_loc: torch.Tensor) -> torch.Tensor:
-        """req_to_token[row, prefix:seq_len] = the new slots; returns the positions."""
+        """req_to_token[row, prefix:seq_len] = the new slots, after the rows the
+        scheduler rewrote (table_rows) took their new prefixes: the scheduler
+        decides every slot, this table follows. Returns the new tokens'
+        positions."""
         dev = self.device
+        if batch.table_rows:
+            self._rewrite_rows(batch)
         rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=dev)
         seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=dev)
         if batch.forward_mode == "decode":
@@ -139,6 +144,17 @@ class ModelRunner:
             token_rows = rows[row_of]
         self.req_to_token.table[token_rows, positions] = out_cache_loc.to(torch.int32)
         return positions
+
+    def _rewrite_rows(self, batch: ForwardBatch) -> None:
+        dev = self.device
+        rows = torch.tensor(batch.table_rows, dtype=torch.int64, device=dev)
+        lens = torch.tensor(batch.table_lens, dtype=torch.int64, device=dev)
+        n = len(batch.table_slots)
+        row_of = torch.repeat_interleave(torch.arange(len(rows), device=dev), lens, output_size=n)
+        first = torch.cumsum(lens, 0) - lens
+        positions = torch.arange(n, device=dev) - first[row_of]
+        self.req_to_token.table[rows[row_of], positions] = torch.tensor(
+            batch.table_slots, dtype=torch.int32, device=dev)
 
     def check_batch(self, b: ForwardBatch) -> None:
         """O(batch) sanity checks: a malformed batch is a scheduler bug, and
@@ -164,6 +180,11 @@ class ModelRunner:
             raise ValueError("ForwardBatch: req_pool_indices outside the table")
         if min(b.out_cache_loc) < 0 or max(b.out_cache_loc) > self.max_total_tokens:
             raise ValueError(f"ForwardBatch: out_cache_loc outside 0..{self.max_total_tokens}")
+        if b.table_rows and (len(b.table_lens) != len(b.table_rows) or sum(b.table_lens) != len(b.table_slots)
+                             or min(b.table_rows) < 1 or max(b.table_rows) >= self.req_to_token.table.shape[0]
+                             or min(b.table_lens) < 1 or max(b.table_lens) > self.context_len
+                             or min(b.table_slots) < 1 or max(b.table_slots) > self.max_total_tokens):
+            raise ValueError("ForwardBatch: table_rows/table_lens/table_slots are inconsistent")
         lowest = FUTURE_TOKEN if b.forward_mode == "decode" else 0  # the token sampled last
         if min(b.input_ids) < lowest or max(b.input_ids) >= self.model_config.vocab_size:
             raise ValueError("ForwardBatch: input_ids outside the vocabulary")

@@ -24,7 +24,8 @@ def expected_new_tokens(req: Req, new_token_ratio: float) -> int:
 class PrefillAdder:
     """Admits waiting requests while every budget holds.
 
-    `rem_total_tokens` starts as the free KV slots minus what the running
+    `rem_total_tokens` starts as the available KV slots (free, or cached
+    and evictable) minus what the running
     requests are still expected to need; each admitted request takes its
     uncached prompt plus its own expected remainder out of it.
     `rem_chunk_tokens` (None: no chunking) caps the tokens this prefill
@@ -64,15 +65,17 @@ class PrefillAdder:
             self.new_chunked_req = req
         self._admit(req, extend, promised=extend)
 
-    def try_add(self, req: Req) -> bool:
+    def try_add(self, req: Req, prefix_len: int = 0, newly_protected: int = 0) -> bool:
         """Admit `req` (sets req.extend_input_len) if it fits; False means stop
-        adding, so the queue's order is kept."""
+        adding, so the queue's order is kept. `prefix_len` tokens come from the
+        prefix cache; locking them takes `newly_protected` evictable slots out
+        of what the budget counted as available."""
         if self.rem_running <= 0 or self.new_chunked_req is not None:
             return False
-        extend = req.seq_len - req.kv_len
+        extend = req.seq_len - prefix_len
         # the whole remaining prompt must fit, even when only a chunk runs now,
         # so that a chunked request can always finish its prefill
-        need = extend + expected_new_tokens(req, self.new_token_ratio)
+        need = extend + expected_new_tokens(req, self.new_token_ratio) + newly_protected
         if need > self.rem_total_tokens:
             return False
         # one request longer than the prefill budget still runs, alone

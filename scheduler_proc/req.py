@@ -19,10 +19,18 @@ class Req:
     arrival_time: float = field(default_factory=time.time)
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    cache_salt: str = ""
 
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int = 0  # row of req_to_token while resident, 0 when not
     kv_len: int = 0  # tokens whose KV is in the pool, or will be once the steps sent have run
+    # the first cache_len of those are the prefix cache's, locked through last_node
+    # (a radix_cache.TreeNode); the rest are this request's own (CacheManager)
+    cache_len: int = 0
+    last_node: Any = None
+    table_sync_len: int = 0  # the model's req_to_token row must get our first N slots
+    cached_tokens: int = 0  # prompt tokens taken from the cache, not computed (reported)
+    already_computed: int = 0  # tokens this request has computed itself, at most
     pending_tokens: int = 0  # sampled in steps still in flight (overlap): the model has them
     extend_input_len: int = 0  # tokens the coming prefill computes (a chunk, or all)
     admit_time: float | None = None  # first prefill start (queue time = admit - arrival)
@@ -44,7 +52,8 @@ class Req:
         return cls(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=sp,
                    stop_token_ids=frozenset(stop), stream=msg.stream,
                    arrival_time=msg.arrival_time or time.time(),
-                   return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num)
+                   return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
+                   cache_salt=msg.cache_salt)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.messages import FUTURE_TOKEN, ForwardBatch
-from scheduler_proc.memory import ReqToTokenPool, TokenSlotAllocator
+from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.req import Req
 
 # Per-row tensors that filter_batch gathers and merge_batch concatenates.
@@ -42,6 +42,10 @@ class ScheduleBatch:
     prefix_lens: list[int] = field(default_factory=list)
     input_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     out_cache_loc: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    # rows whose prefix the cache manager rewrote: the model's table follows
+    table_rows: list[int] = field(default_factory=list)
+    table_lens: list[int] = field(default_factory=list)
+    table_slots: list[int] = field(default_factory=list)
 
     @classmethod
     def init_new(cls, reqs: list[Req]) -> "ScheduleBatch":
@@ -88,57 +92,67 @@ class ScheduleBatch:
 
     # ---- preparing one step ----------------------------------------------------------
 
-    def prepare_for_extend(self, req_to_token_pool: ReqToTokenPool,
-                           allocator: TokenSlotAllocator) -> None:
-        """Give every row its table row (if new) and slots for its uncached tokens."""
+    def prepare_for_extend(self, cache: CacheManager) -> None:
+        """Slots for every row's uncached tokens. Rows were given their table
+        row (and their cached prefix) at admission."""
         self.forward_mode = "extend"
-        for r in self.reqs:
-            if r.req_pool_idx == 0:
-                row = req_to_token_pool.alloc()
-                if row is None:
-                    raise OutOfKVSlots("no free req_to_token row")
-                r.req_pool_idx = row
         fills = [r.fill_ids for r in self.reqs]
         self.prefix_lens = [r.kv_len for r in self.reqs]
         extend_lens = [r.extend_input_len or len(f) - p
                        for r, f, p in zip(self.reqs, fills, self.prefix_lens)]
-        locs = allocator.alloc(sum(extend_lens))
+        locs = cache.alloc(sum(extend_lens))
         if locs is None:
             raise OutOfKVSlots(f"cannot allocate {sum(extend_lens)} KV slots")
         self.out_cache_loc = locs
         self.input_ids = torch.tensor(
             [t for f, p, n in zip(fills, self.prefix_lens, extend_lens) for t in f[p:p + n]],
             dtype=torch.int64)
-        table = req_to_token_pool.req_to_token
+        table = cache.table
         start = 0
         for r, p, n in zip(self.reqs, self.prefix_lens, extend_lens):
+            assert r.req_pool_idx, "extend of a request without a table row"
             table[r.req_pool_idx, p:p + n] = locs[start:start + n].to(torch.int32)
             start += n
+        self.collect_table_rewrites(cache)
         self.req_pool_indices = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
         self.seq_lens = torch.tensor([p + n for p, n in zip(self.prefix_lens, extend_lens)],
                                      dtype=torch.int64)
-        # counted from now: a request released before the step's result is read
-        # (an abort, with overlap) frees these slots too
         for r, p, n in zip(self.reqs, self.prefix_lens, extend_lens):
+            # prompt tokens served by the cache rather than computed: what was
+            # matched beyond what this request computed itself (earlier chunks)
+            r.cached_tokens += max(0, p - r.already_computed)
+            r.already_computed = max(r.already_computed, p + n)
+            # counted from now: a request released before the step's result is
+            # read (an abort, with overlap) frees these slots too
             r.kv_len = p + n
 
-    def prepare_for_decode(self, req_to_token_pool: ReqToTokenPool,
-                           allocator: TokenSlotAllocator) -> None:
+    def prepare_for_decode(self, cache: CacheManager) -> None:
         """One new token per row: the row's last sampled token, at position seq_len.
         A token still in flight (overlap) goes as FUTURE_TOKEN: the model has it."""
         self.forward_mode = "decode"
         self.prefix_lens = []
-        locs = allocator.alloc(len(self.reqs))
+        self.collect_table_rewrites(cache)
+        locs = cache.alloc(len(self.reqs))
         if locs is None:
             raise OutOfKVSlots(f"cannot allocate {len(self.reqs)} KV slots for decode")
         self.out_cache_loc = locs
         self.input_ids = torch.tensor(
             [FUTURE_TOKEN if r.pending_tokens else r.output_ids[-1] for r in self.reqs],
             dtype=torch.int64)
-        req_to_token_pool.req_to_token[self.req_pool_indices, self.seq_lens] = locs.to(torch.int32)
+        cache.table[self.req_pool_indices, self.seq_lens] = locs.to(torch.int32)
         self.seq_lens = self.seq_lens + 1
         for r in self.reqs:
             r.kv_len += 1
+
+    def collect_table_rewrites(self, cache: CacheManager) -> None:
+        """Rows whose first slots the cache manager set (a matched prefix, or
+        duplicates moved onto the cache's copies) go with this step."""
+        synced = [r for r in self.reqs if r.table_sync_len]
+        self.table_rows = [r.req_pool_idx for r in synced]
+        self.table_lens = [r.table_sync_len for r in synced]
+        self.table_slots = [s for r in synced for s in cache.table[r.req_pool_idx, :r.table_sync_len].tolist()]
+        for r in synced:
+            r.table_sync_len = 0
 
     def to_forward_batch(self) -> ForwardBatch:
         return ForwardBatch(
@@ -156,4 +170,5 @@ class ScheduleBatch:
             sample_steps=[len(r.output_ids) + r.pending_tokens for r in self.reqs],
             return_logprob=self.return_logprob,
             top_logprobs_nums=self.top_logprobs_nums.tolist() if self.return_logprob else [],
+            table_rows=self.table_rows, table_lens=self.table_lens, table_slots=self.table_slots,
         )

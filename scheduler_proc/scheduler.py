@@ -12,7 +12,7 @@ from common.messages import (AbortReq, BatchTokenOut, ForwardResult, ModelInfo,
                              SchedulerQuery, SchedulerReply, TokenizedGenerateReq, ToSchedulerMsg,
                              ToTokenizerMsg)
 from common.server_args import ServerArgs
-from scheduler_proc.memory import ReqToTokenPool, TokenSlotAllocator
+from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.model_client import LocalModel, ModelClient, as_model_client
 from scheduler_proc.policy import order_waiting_queue
 from scheduler_proc.prefill_adder import PrefillAdder
@@ -59,8 +59,13 @@ class Scheduler:
         self.last_result_time = 0.0
         self.send_output = send_output
         self.context_len = model_info.context_len
-        self.req_to_token_pool = ReqToTokenPool(server_args.max_running_requests, self.context_len)
-        self.allocator = TokenSlotAllocator(model_info.max_total_tokens)
+        self.radix_cache_enabled = not server_args.disable_radix_cache and \
+            server_args.batching == "continuous"
+        # the prefix cache needs rows to leave as soon as they finish; static and
+        # dynamic batching keep finished rows as padding, so they run without it
+        self.cache = CacheManager(model_info.max_total_tokens, server_args.max_running_requests,
+                                  self.context_len, use_tree=self.radix_cache_enabled)
+        self.invariant_error: str | None = None  # set when the idle check finds the accounts off
 
         self.waiting_queue: deque[Req] = deque()
         self.running_batch: ScheduleBatch | None = None
@@ -103,12 +108,12 @@ class Scheduler:
                 "now": time.time(), "seq": self.timeline.seq,
                 "events": self.timeline.since(query.since)})
         if query.kind == "flush_cache":
-            # There is no prefix cache yet: flushing resets the admission
-            # estimate, and like SGLang it is refused while requests are live.
+            # Like SGLang, refused while requests are live: their prefixes are locked.
             if not self.is_idle():
                 return SchedulerReply(query_id=query.query_id, ok=False,
                                       message="cannot flush the cache while requests are running "
                                               "or waiting")
+            self.cache.flush()
             self.new_token_ratio = self.init_new_token_ratio
             return SchedulerReply(query_id=query.query_id, ok=True, message="Cache flushed.")
         return SchedulerReply(query_id=query.query_id, ok=False,
@@ -151,9 +156,9 @@ class Scheduler:
         if n + max_new > self.context_len:
             return (f"prompt ({n} tokens) plus max_new_tokens ({max_new}) exceeds the context "
                     f"length ({self.context_len})")
-        if n + max_new > self.allocator.size:
+        if n + max_new > self.cache.size:
             return (f"prompt ({n} tokens) plus max_new_tokens ({max_new}) can never fit in the "
-                    f"KV pool ({self.allocator.size} tokens), even alone")
+                    f"KV pool ({self.cache.size} tokens), even alone")
         return None
 
     def abort_request(self, rid: str, stop_matched: str | None = None) -> None:
@@ -164,7 +169,7 @@ class Scheduler:
             return
         if stop_matched is None:
             req.abort("aborted by the client")
-        else:
+        else:  # a stop: its tokens are as good as any finished request's, and cached
             req.finished_reason = {"type": "stop", "matched": stop_matched}
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
@@ -239,55 +244,67 @@ class Scheduler:
         running = self.running_batch.reqs if self.running_batch is not None else []
         # With overlap, rows that finish in the step in flight have left the running
         # batch but hold their table row (and KV) until its result is processed.
-        pool = self.req_to_token_pool
+        pool = self.cache.req_to_token_pool
         held = pool.num_rows - pool.available()
         leaving = held - len(running) - (1 if self.chunked_req is not None
                                          and self.chunked_req.req_pool_idx else 0)
+        if self.chunked_req is not None:
+            # its chunks so far go into the tree before the next one is sent
+            self.cache.cache_unfinished(self.chunked_req, self.chunked_req.kv_len)
         adder = PrefillAdder.for_step(
             max_running=self.args.max_running_requests - leaving, running=running,
-            free_slots=self.allocator.available(),
+            free_slots=self.cache.available(),
             max_prefill_tokens=self.args.max_prefill_tokens,
             chunked_prefill_size=self.args.chunked_prefill_size,
             new_token_ratio=self.new_token_ratio)
         if self.chunked_req is not None:
             # leave every running row a slot for its next decode step
-            adder.add_chunked_req(self.chunked_req, self.allocator.available() - len(running))
+            adder.add_chunked_req(self.chunked_req, self.cache.available() - len(running))
             if not adder.can_run:
                 return None
         self.waiting_queue = order_waiting_queue(self.waiting_queue, self.args.schedule_policy)
         admitted = 0
         for req in self.waiting_queue:
-            if not adder.try_add(req):
+            match = self.cache.match(req)
+            if not adder.try_add(req, prefix_len=match.length if match else 0,
+                                 newly_protected=self.cache.newly_protected(match)):
                 break
+            self.cache.admit(req, match)  # its row, and its prefix locked in the tree
             admitted += 1
         if not adder.can_run:
             return None
         for _ in range(admitted):
             self.waiting_queue.popleft()
-        if self.chunked_req is not None and adder.new_chunked_req is None:
-            logger.debug("chunked prefill of %s: last chunk", self.chunked_req.rid)
+        continuing = self.chunked_req
+        if continuing is not None and adder.new_chunked_req is None:
+            logger.debug("chunked prefill of %s: last chunk", continuing.rid)
         self.chunked_req = adder.new_chunked_req
-        return self.start_prefill(adder.can_run, len(running))
+        return self.start_prefill(adder.can_run, len(running), continuing)
 
-    def start_prefill(self, reqs: list[Req], num_running: int) -> ScheduleBatch:
+    def start_prefill(self, reqs: list[Req], num_running: int,
+                      continuing: Req | None = None) -> ScheduleBatch:
+        """`continuing`: the request whose next chunk this is (not admitted now)."""
         now = time.time()
+        hit_tokens = 0  # taken from the prefix cache by the requests admitted now
         for r in reqs:
             assert not r.pending_tokens, "a prefill needs every token of the request"
+            hit = 0
             if r.admit_time is None:
                 r.admit_time = now
-                event = "admitted"
-            elif r.kv_len == 0:
-                event = "readmitted"  # after a retraction: recomputed from scratch
+                event, hit = "admitted", r.kv_len
+            elif r is not continuing:
+                event, hit = "readmitted", r.kv_len  # after a retraction: recomputed
             else:
                 event = "chunk"  # the next chunk of a chunked prefill
+            hit_tokens += hit
             self.timeline.request(r.rid, event, t=now, tokens=r.extend_input_len
-                                  or r.seq_len - r.kv_len)
+                                  or r.seq_len - r.kv_len, cached_tokens=hit)
         batch = ScheduleBatch.init_new(reqs)
-        batch.prepare_for_extend(self.req_to_token_pool, self.allocator)
+        batch.prepare_for_extend(self.cache)
         logger.info(
             "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
             "#running-req: %d, #queue-req: %d",
-            len(batch), batch.input_ids.numel(), sum(batch.prefix_lens), self.token_usage(),
+            len(batch), batch.input_ids.numel(), hit_tokens, self.token_usage(),
             num_running, len(self.waiting_queue))
         return batch
 
@@ -296,7 +313,7 @@ class Scheduler:
         then prepare the decode step."""
         batch = self.running_batch
         assert batch is not None
-        if self.allocator.available() < len(batch) and self.inflight:
+        if self.cache.available() < len(batch) and self.inflight:
             # Short of slots with a step in flight: first see its result (its
             # finished rows free their KV); victims must have all their tokens.
             self.resolve_inflight()
@@ -304,12 +321,12 @@ class Scheduler:
             batch = self.running_batch
             if batch is None:  # every row finished: look again (a prefill may fit now)
                 return self.get_next_batch_to_run()
-        if self.allocator.available() < len(batch):
+        if self.cache.available() < len(batch):
             self.retract_decode(batch)
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
                                        self.min_new_token_ratio)
-        batch.prepare_for_decode(self.req_to_token_pool, self.allocator)
+        batch.prepare_for_decode(self.cache)
         return batch
 
     def retract_decode(self, batch: ScheduleBatch) -> None:
@@ -323,7 +340,7 @@ class Scheduler:
         retracted: list[Req] = []
         keep = set(range(len(batch)))
         for i in order:
-            if self.allocator.available() >= len(keep):
+            if self.cache.available() >= len(keep):
                 break
             if len(keep) == 1 and self.chunked_req is not None:
                 # the half-prefilled request holds the slots: it goes back instead
@@ -332,11 +349,11 @@ class Scheduler:
                 self.timeline.request(self.chunked_req.rid, "retracted", decoded=0)
                 retracted.append(self.chunked_req)
                 self.chunked_req = None
-                if self.allocator.available() >= 1:
+                if self.cache.available() >= 1:
                     break
             if len(keep) == 1:  # cannot happen after validate(); never loop forever
                 req = batch.reqs[i]
-                req.abort(f"the KV pool ({self.allocator.size} tokens) cannot hold this request")
+                req.abort(f"the KV pool ({self.cache.size} tokens) cannot hold this request")
                 self.release_req(req)
                 self.stream_output([req])
                 keep.discard(i)
@@ -385,7 +402,7 @@ class Scheduler:
                     for i in too_long:
                         self.release_req(batch.reqs[i])
                     batch.filter_batch([i for i in range(len(batch)) if i not in too_long])
-                batch.prepare_for_decode(self.req_to_token_pool, self.allocator)
+                batch.prepare_for_decode(self.cache)
                 return batch
         if not self.waiting_queue:
             self.new_token_ratio = self.init_new_token_ratio
@@ -403,7 +420,7 @@ class Scheduler:
                 break
             p = prompt_tokens + len(req.origin_input_ids)
             m = max(longest, req.sampling_params.max_new_tokens)
-            if p + (len(reqs) + 1) * m > self.allocator.available():
+            if p + (len(reqs) + 1) * m > self.cache.available():
                 break
             reqs.append(req)
             prompt_tokens, longest = p, m
@@ -412,6 +429,7 @@ class Scheduler:
         for _ in reqs:
             self.waiting_queue.popleft()
         for r in reqs:
+            self.cache.admit(r, None)
             r.extend_input_len = 0
         return self.start_prefill(reqs, 0)
 
@@ -462,6 +480,10 @@ class Scheduler:
                 continue
             self.total_row_steps += 1
             self.useful_row_steps += 1
+            if step.forward_mode == "extend" and not static:
+                # the prompt is computed: later requests may share it now (SGLang
+                # does the same), not only once this one finishes
+                self.cache.cache_unfinished(req, req.seq_len)
             req.output_ids.append(token)
             if not req.first_token_time:
                 req.first_token_time = time.time()
@@ -485,14 +507,12 @@ class Scheduler:
         self.stream_output(step.reqs)
 
     def release_req(self, req: Req, retracting: bool = False) -> None:
-        """Give back a request's KV slots and table row. Unless it is only being
-        retracted, it also leaves the set of live requests."""
-        if req.req_pool_idx:
-            table = self.req_to_token_pool.req_to_token
-            self.allocator.free(table[req.req_pool_idx, :req.kv_len].long())
-            self.req_to_token_pool.free(req.req_pool_idx)
-            req.req_pool_idx = 0
-            req.kv_len = 0
+        """Give back a request's KV slots and table row; a request that finished
+        (not aborted, not retracted) leaves its prompt and output in the prefix
+        cache. Unless it is only being retracted, it also leaves the set of live
+        requests."""
+        finished = req.finished and req.finished_reason["type"] != "abort"
+        self.cache.release(req, cache=finished and not retracting)
         if not retracting:
             self.reqs_by_rid.pop(req.rid, None)
 
@@ -518,7 +538,7 @@ class Scheduler:
             out.finished_reasons.append(req.finished_reason)
             out.prompt_tokens.append(len(req.origin_input_ids))
             out.completion_tokens.append(len(req.output_ids))
-            out.cached_tokens.append(0)
+            out.cached_tokens.append(req.cached_tokens)
             out.num_retractions.append(req.num_retractions)
             out.output_token_logprobs.append(req.output_token_logprobs[req.sent_len:])
             out.output_top_logprobs.append(req.output_top_logprobs[req.sent_len:])
@@ -555,6 +575,14 @@ class Scheduler:
         self.last_batch = batch
         return batch
 
+    def check_invariant(self) -> None:
+        """Every KV slot and table row accounted for exactly once (checked when
+        the server goes idle; an error is logged and shown in /get_server_info)."""
+        error = self.cache.check_invariant()
+        if error is not None and error != self.invariant_error:
+            logger.error("KV cache accounts are off: %s", error)
+        self.invariant_error = error
+
     def is_idle(self) -> bool:
         return not self.waiting_queue and self.running_batch is None and \
             self.chunked_req is None and not self.inflight and \
@@ -566,6 +594,8 @@ class Scheduler:
         ran = True
         while True:
             if self.is_idle():
+                if ran:
+                    self.check_invariant()
                 timeout = None
             elif not ran:  # waiting for a dynamic batch's timeout: don't spin
                 timeout = 0.002
@@ -577,7 +607,8 @@ class Scheduler:
     # ---- stats --------------------------------------------------------------------------
 
     def token_usage(self) -> float:
-        return 1.0 - self.allocator.available() / self.allocator.size
+        """Share of the pool held by requests (cached but evictable slots are free)."""
+        return 1.0 - self.cache.available() / self.cache.size
 
     def utilisation(self) -> float:
         """Useful row-steps over computed row-steps: 1.0 unless padded rows ran."""
@@ -592,10 +623,9 @@ class Scheduler:
             # admitted, part of its prompt in the pool, the rest still to prefill:
             # neither in the running batch nor waiting
             "num_chunked_prefill_reqs": 0 if self.chunked_req is None else 1,
-            "free_kv_slots": self.allocator.available(),
-            "total_kv_slots": self.allocator.size,
-            "free_req_rows": self.req_to_token_pool.available(),
-            "total_req_rows": self.req_to_token_pool.num_rows,
+            **self.cache.stats(),
+            "radix_cache": self.radix_cache_enabled,
+            "invariant_error": self.invariant_error,
             "token_usage": self.token_usage(),
             "new_token_ratio": self.new_token_ratio,
             "total_retractions": self.total_retractions,
@@ -609,7 +639,7 @@ class Scheduler:
         running batch may already have lost rows that ended in it)."""
         now = time.perf_counter()
         throughput = self.decode_tokens_since_log / max(now - self.last_decode_log_time, 1e-9)
-        num_tokens = self.allocator.size - self.allocator.available()
+        num_tokens = self.cache.size - self.cache.available()
         logger.info(
             "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
             "gen throughput (token/s): %.2f, #queue-req: %d, batch utilisation: %.3f",

@@ -57,6 +57,7 @@ class Generation:
             arrival_time=time.time(),
             return_logprob=spec.return_logprob,
             top_logprobs_num=spec.top_logprobs_num if spec.return_logprob else 0,
+            cache_salt=spec.cache_salt,
         )
         try:
             return self.manager.submit(req, self.arrival, event=self.event, group=spec.group)

@@ -211,6 +211,6 @@ class TokenizerManager:
                 del self.states[rid]
                 self.metrics.observe_finished(
                     prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens,
-                    finish_type=str(state.finish_reason.get("type")), arrival=state.arrival_wall,
+                    cached_tokens=state.cached_tokens, finish_type=str(state.finish_reason.get("type")), arrival=state.arrival_wall,
                     first_token=state.first_token_wall, finished=time.time())
             state.event.set()

@@ -49,6 +49,7 @@ class Histogram:
 class ServerMetrics:
     def __init__(self) -> None:
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.generation_tokens = 0
         self.requests_finished: dict[str, int] = {}
         self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
@@ -57,11 +58,13 @@ class ServerMetrics:
                              E2E_BUCKETS)
 
     def observe_finished(self, *, prompt_tokens: int, completion_tokens: int, finish_type: str,
-                         arrival: float, first_token: float, finished: float) -> None:
+                         arrival: float, first_token: float, finished: float,
+                         cached_tokens: int = 0) -> None:
         """Times are wall-clock seconds. Inter-token latency is the request's
         mean gap, counted once per gap: the scheduler batches a non-streaming
         request's tokens into one message, so single gaps are not seen here."""
         self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
         self.generation_tokens += completion_tokens
         self.requests_finished[finish_type] = self.requests_finished.get(finish_type, 0) + 1
         self.e2e.observe(max(0.0, finished - arrival))
@@ -90,8 +93,14 @@ class ServerMetrics:
                     s["new_token_ratio"])
             scalar("batch_utilisation", "gauge", "Useful row-steps over computed row-steps.",
                     s["batch_utilisation"])
+            scalar("cache_hit_rate", "gauge", "Prompt tokens taken from the prefix cache over "
+                   "prompt tokens offered to it at admission.", s["cache_hit_rate"])
+            scalar("evictable_kv_slots", "gauge", "KV slots cached and evictable.",
+                   s["evictable_kv_slots"])
         scalar("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                self.prompt_tokens)
+        scalar("cached_tokens_total", "counter", "Prompt tokens of finished requests served "
+               "by the prefix cache.", self.cached_tokens)
         scalar("generation_tokens_total", "counter", "Output tokens of finished requests.",
                self.generation_tokens)
         for kind, count in sorted(self.requests_finished.items()):

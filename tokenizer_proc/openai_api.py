@@ -101,10 +101,17 @@ class Shaper:
         self.inp, self.model, self.texts = inp, model, texts
         self.created = int(time.time())
 
-    def usage(self, outputs: list[RequestOutput]) -> dict[str, int]:
+    def usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         completion = sum(len(o.ids) for o in outputs)
+        # prompt tokens served by the prefix cache, each prompt counted once
+        # (its n samples share it), as prompt_tokens counts them
+        cached: dict[int, int] = {}
+        for o in outputs:
+            key = id(o.spec.input_ids)
+            cached[key] = max(cached.get(key, 0), o.state.cached_tokens)
         return {"prompt_tokens": self.inp.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.inp.prompt_tokens + completion}
+                "total_tokens": self.inp.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
     def _envelope(self, object_name: str) -> dict[str, Any]:
         return {"id": self.inp.request_id, "object": object_name, "created": self.created,
@@ -114,7 +121,7 @@ class Shaper:
         choices = [self.choice(k, o) for k, o in enumerate(outputs)]
         return {**self._envelope(self.object_name), "choices": choices, "usage": self.usage(outputs)}
 
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         chunk = {**self._envelope(self.chunk_object_name), "choices": choices}
         if self.inp.include_usage:
             chunk["usage"] = usage  # null on every chunk but the last, as OpenAI does

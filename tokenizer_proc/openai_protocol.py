@@ -19,8 +19,8 @@ from tokenizer_proc.errors import BadRequestError
 from tokenizer_proc.protocol import MAX_N, MAX_OUTPUTS, check_fits_context, check_prompt_ids, validate_sampling_params
 from tokenizer_proc.request_spec import RequestSpec, fan_out_rids, seed_for_sample
 from tokenizer_proc.tokenizer import Tokenizer
-from tokenizer_proc.validation import (check_bool, check_int, check_int_list, check_number, check_range,
-                                       check_stop, is_int, optional)
+from tokenizer_proc.validation import (check_bool, check_cache_salt, check_int, check_int_list, check_number,
+                                       check_range, check_stop, is_int, optional)
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -105,6 +105,7 @@ def _build(body: dict[str, Any], prompts: list[list[int]], info: ModelInfo, pref
     if len(prompts) * n > MAX_OUTPUTS:
         raise BadRequestError(f"at most {MAX_OUTPUTS} choices per request (prompts x n)")
     stop = optional(body, "stop", check_stop, [])
+    cache_salt = optional(body, "cache_salt", check_cache_salt, "")
     # Any model name is accepted: this server serves one model, and answers with its name.
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise BadRequestError("model must be a string")
@@ -123,7 +124,8 @@ def _build(body: dict[str, Any], prompts: list[list[int]], info: ModelInfo, pref
             sample.seed = seed_for_sample(sp.seed, k)
             specs.append(RequestSpec(rid=next(rids), input_ids=ids, sampling_params=sample, stop=stop,
                                      return_logprob=logprobs, top_logprobs_num=top_logprobs,
-                                     group=request_id if len(prompts) * n > 1 else None))
+                                     group=request_id if len(prompts) * n > 1 else None,
+                                     cache_salt=cache_salt))
     return OpenAIInput(request_id=request_id, specs=specs, prompt_tokens=sum(len(p) for p in prompts),
                        stream=stream, include_usage=include_usage, logprobs=logprobs,
                        top_logprobs=top_logprobs)

@@ -17,7 +17,7 @@ from common.messages import SamplingParams
 from tokenizer_proc.errors import BadRequestError
 from tokenizer_proc.request_spec import RequestSpec, fan_out_rids, seed_for_sample
 from tokenizer_proc.tokenizer import Tokenizer
-from tokenizer_proc.validation import (check_bool, check_int, check_int_list, check_number,
+from tokenizer_proc.validation import (check_bool, check_cache_salt, check_int, check_int_list, check_number,
                                        check_stop, is_int, optional, parse_json_object)
 
 __all__ = ["BadRequestError", "GenerateInput", "parse_generate_request", "parse_json_object",
@@ -56,7 +56,7 @@ _SAMPLING_FIELDS: dict[str, Callable[[str, Any], Any]] = {
 _LOCAL_SAMPLING_FIELDS = ("stop", "n")
 
 _TOP_LEVEL_FIELDS = {"text", "input_ids", "sampling_params", "stream", "rid", "return_logprob",
-                     "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs"}
+                     "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs", "cache_salt"}
 
 
 def parse_sampling_params(obj: Any) -> SamplingParams:
@@ -167,6 +167,7 @@ def parse_generate_request(
     if start_len is not None and not (is_int(start_len) and start_len == -1):
         raise BadRequestError("logprob_start_len: input logprobs are not supported (use -1 or omit it)")
     text_in_logprobs = optional(body, "return_text_in_logprobs", check_bool, False)
+    cache_salt = optional(body, "cache_salt", check_cache_salt, "")
 
     sp = parse_sampling_params(body.get("sampling_params"))
     raw_sp = body.get("sampling_params") or {}
@@ -190,7 +191,7 @@ def parse_generate_request(
                 rid=rid, input_ids=ids,
                 sampling_params=SamplingParams(**{**_fields(sp), "seed": seed_for_sample(sp.seed, k)}),
                 stop=stop, return_logprob=return_logprob, top_logprobs_num=top_n,
-                group=base if n > 1 else None))
+                group=base if n > 1 else None, cache_salt=cache_salt))
     return GenerateInput(specs=specs, stream=stream, batched=batched,
                          return_text_in_logprobs=text_in_logprobs)
 

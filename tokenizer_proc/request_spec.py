@@ -16,6 +16,7 @@ class RequestSpec:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     group: str | None = None  # the client request's id when it fanned out into several
+    cache_salt: str = ""  # requests with different salts never share cached prefixes
 
 
 def fan_out_rids(base: str, count: int) -> list[str]:

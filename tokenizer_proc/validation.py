@@ -42,6 +42,17 @@ def check_bool(name: str, v: Any) -> bool:
     return v
 
 
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(name: str, v: Any) -> str:
+    """A tenant's label for the prefix cache: requests with different salts
+    never share cached prefixes."""
+    if not isinstance(v, str) or len(v) > MAX_CACHE_SALT_CHARS:
+        raise BadRequestError(f"{name} must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
+    return v
+
+
 def check_int_list(name: str, v: Any) -> list[int]:
     if not isinstance(v, list) or not all(is_int(x) for x in v):
         raise BadRequestError(f"{name} must be a list of integers")

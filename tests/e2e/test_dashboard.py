@@ -1,5 +1,6 @@
 """The live dashboard in a real headless Chromium against a real server: one bar
-per request, a retracted request drawn as retracted, the API key asked once."""
+per request, a retracted request drawn as retracted, the cached share of a
+prompt drawn beside its row, the API key asked once."""
 
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ def test_dashboard_draws_one_bar_per_request_and_the_retracted_one_as_retracted(
             outs = list(pool.map(ask, range(4)))
         retracted = {o["meta_info"]["id"] for o in outs if o["meta_info"]["num_retractions"]}
         assert retracted, "the scenario must retract a request"
+        again = ask(0)["meta_info"]  # the same prompt again: from the prefix cache
+        assert again["cached_tokens"] == again["prompt_tokens"] - 1
         assert requests.get(srv.url + "/timeline", timeout=10).status_code == 401
 
         driver = chromium()
@@ -71,7 +74,10 @@ def test_dashboard_draws_one_bar_per_request_and_the_retracted_one_as_retracted(
             alert.send_keys(KEY)
             alert.accept()
             gantt = driver.find_element(By.ID, "gantt")
-            WebDriverWait(driver, 30).until(lambda d: gantt.get_attribute("data-bars") == "4")
+            WebDriverWait(driver, 30).until(lambda d: gantt.get_attribute("data-bars") == "5")
+            cached = gantt.get_attribute("data-cached").split(",")
+            # the repeated prompt's row shows its cached share
+            assert f"{again['id']}:{again['cached_tokens']}/{again['prompt_tokens']}" in cached, cached
             drawn_retracted = set(filter(None, gantt.get_attribute("data-retracted").split(",")))
             assert {r[:8] for r in drawn_retracted} >= {r[:8] for r in retracted}
             assert drawn_retracted == retracted

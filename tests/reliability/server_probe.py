@@ -26,12 +26,19 @@ def scheduler_state(srv: ServerProcess) -> dict[str, Any]:
 
 def leaks(state: dict[str, Any]) -> list[str]:
     """What is still held in an idle server: running or waiting requests, KV
-    slots, table rows (where the scheduler reports them), tracked requests."""
+    slots (held by a request, or locked in the prefix cache: cached and
+    evictable slots are not held), table rows, broken KV accounts, tracked
+    requests."""
     found = []
     if state["num_running_reqs"] or state["num_waiting_reqs"]:
         found.append(f"{state['num_running_reqs']} running, {state['num_waiting_reqs']} waiting")
-    if state["free_kv_slots"] != state["total_kv_slots"]:
-        found.append(f"{state['total_kv_slots'] - state['free_kv_slots']} KV slots held")
+    if state["held_kv_slots"] or state["protected_kv_slots"]:
+        found.append(f"{state['held_kv_slots']} KV slots held, {state['protected_kv_slots']} locked")
+    if state["free_kv_slots"] + state["evictable_kv_slots"] != state["total_kv_slots"]:
+        found.append(f"free {state['free_kv_slots']} + evictable {state['evictable_kv_slots']} "
+                     f"!= {state['total_kv_slots']} KV slots")
+    if state["invariant_error"]:
+        found.append(f"KV accounts: {state['invariant_error']}")
     if state["free_req_rows"] != state["total_req_rows"]:
         found.append(f"{state['total_req_rows']} req_to_token rows, {state['free_req_rows']} free")
     if state.get("requests_in_flight"):

@@ -1,15 +1,31 @@
 """A fake model process for scheduler unit tests: it isolates the scheduler from
-the real model. Its next token is a pure function of the row's last input token,
-and it checks that no slot it is asked to write is held by another live row.
-Like the model process, it keeps each row's last sampled token for decode
-inputs sent as FUTURE_TOKEN (the overlap schedule)."""
+the real model, and checks the KV the scheduler hands it.
+
+Like the model process, it keeps its own `req_to_token` table, written only
+from what the batches carry (new tokens' slots, rows the scheduler rewrote),
+and each row's last sampled token for decode inputs sent as FUTURE_TOKEN (the
+overlap schedule).
+
+Its "KV" is a fingerprint per slot: the position it was written at, and a
+hash chained over every token of the sequence up to it. Before a row computes,
+every slot of its prefix must hold position i and chain onto the slot before
+it, so a slot that another request overwrote, a prefix taken from the wrong
+cached sequence, or a table row the model was not told about all fail here.
+By default the next token is a pure function of the row's last input token
+(tests compute expected outputs from it); `content_dependent=True` makes it a
+function of the whole chain instead, so a run that reused a wrong prefix
+produces different tokens from a run without any cache.
+"""
 
 from __future__ import annotations
+
+import torch
 
 from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardResult, ModelInfo
 
 VOCAB = 1000
 EOS = 2
+_MOD = (1 << 61) - 1
 
 
 def fake_model_info(max_total_tokens: int = 4096, context_len: int = 512) -> ModelInfo:
@@ -27,42 +43,67 @@ def next_token(last: int, eos_one_in: int = 0) -> int:
     return nxt if nxt != EOS else 5
 
 
+def chain(prev: int, token: int) -> int:
+    return (prev * 1_000_003 + token + 1) % _MOD
+
+
 class FakeModel:
-    def __init__(self, eos_one_in: int = 0) -> None:
+    def __init__(self, eos_one_in: int = 0, content_dependent: bool = False,
+                 max_total_tokens: int = 1 << 14, max_rows: int = 1024, context_len: int = 4096) -> None:
         self.eos_one_in = eos_one_in
-        self.slot_owner: dict[int, int] = {}  # slot -> req_pool_idx
+        self.content_dependent = content_dependent
         self.batches: list[ForwardBatch] = []
         self.last_sampled: dict[int, int] = {}  # req_pool_idx -> token sampled last
+        self.table = torch.zeros(max_rows + 1, context_len, dtype=torch.int64)
+        self.slot_pos = torch.full((max_total_tokens + 1,), -1, dtype=torch.int64)
+        self.slot_prev = torch.zeros(max_total_tokens + 1, dtype=torch.int64)
+        self.slot_hash = torch.zeros(max_total_tokens + 1, dtype=torch.int64)
 
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         self.batches.append(batch)
         rows = batch.req_pool_indices
+        start = 0
+        for row, n in zip(batch.table_rows, batch.table_lens):
+            self.table[row, :n] = torch.tensor(batch.table_slots[start:start + n])
+            start += n
         if batch.forward_mode == "extend":
             counts = [s - p for s, p in zip(batch.seq_lens, batch.prefix_lens)]
-            fresh = {row for row, p in zip(rows, batch.prefix_lens) if p == 0}
-            # a row starting from an empty prefix belongs to a new request now
-            self.slot_owner = {s: r for s, r in self.slot_owner.items() if r not in fresh}
+            prefixes = batch.prefix_lens
         else:
             counts = [1] * len(rows)
-        owners = [row for row, n in zip(rows, counts) for _ in range(n)]
-        assert len(owners) == len(batch.out_cache_loc) == len(batch.input_ids)
-        live_rows = set(rows)
-        for slot, row in zip(batch.out_cache_loc, owners):
-            assert slot != 0, "slot 0 is the padding dummy"
-            prev = self.slot_owner.get(slot)
-            # a slot may be reused only once its previous owner is gone
-            assert prev is None or prev == row or prev not in live_rows, \
-                f"slot {slot} of live row {prev} handed to row {row}"
-            self.slot_owner[slot] = row
+            prefixes = [s - 1 for s in batch.seq_lens]
+        assert sum(counts) == len(batch.out_cache_loc) == len(batch.input_ids)
+        assert 0 not in batch.out_cache_loc, "slot 0 is the padding dummy"
         input_ids = list(batch.input_ids)
         if batch.forward_mode == "decode":
             input_ids = [self.last_sampled[row] if t == FUTURE_TOKEN else t
                          for row, t in zip(rows, input_ids)]
         assert min(input_ids) >= 0, "FUTURE_TOKEN outside a decode batch"
-        last_positions, start = [], 0
-        for n in counts:
+        for row, p in zip(rows, prefixes):
+            self._check_prefix(row, p)
+        out, start = [], 0
+        for row, p, n in zip(rows, prefixes, counts):
+            h = int(self.slot_hash[self.table[row, p - 1]]) if p else 0
+            for i in range(n):
+                slot, token = batch.out_cache_loc[start + i], input_ids[start + i]
+                self.table[row, p + i] = slot
+                self.slot_pos[slot], self.slot_prev[slot] = p + i, h
+                h = chain(h, token)
+                self.slot_hash[slot] = h
             start += n
-            last_positions.append(start - 1)
-        out = [next_token(input_ids[i], self.eos_one_in) for i in last_positions]
+            last = input_ids[start - 1]
+            out.append(next_token(h % VOCAB if self.content_dependent else last, self.eos_one_in))
         self.last_sampled.update(zip(rows, out))
         return ForwardResult(next_token_ids=out)
+
+    def _check_prefix(self, row: int, n: int) -> None:
+        """The row's first n positions hold one consistent sequence."""
+        if n == 0:
+            return
+        slots = self.table[row, :n]
+        assert bool((slots > 0).all()), f"row {row}: a prefix position has no slot"
+        assert torch.equal(self.slot_pos[slots], torch.arange(n)), \
+            f"row {row}: a prefix slot holds another position's KV"
+        assert int(self.slot_prev[slots[0]]) == 0 and \
+            torch.equal(self.slot_prev[slots[1:]], self.slot_hash[slots[:-1]]), \
+            f"row {row}: its prefix slots do not chain into one sequence (overwritten or mismatched)"

@@ -90,11 +90,11 @@ def test_retraction_picks_fewest_decoded_then_longest_prompt():
     s.resolve_inflight()  # with overlap a step is still out: victims need all their tokens
     batch = s.running_batch
     # take every free slot so that the next decode needs a retraction
-    hog = s.allocator.alloc(s.allocator.available() - 2)
+    hog = s.cache.allocator.alloc(s.cache.allocator.available() - 2)
     s.retract_decode(batch)
     assert [r.rid for r in s.waiting_queue] == ["long_prompt"]
     assert [r.rid for r in batch.reqs] == ["old", "short_prompt"]
-    s.allocator.free(hog)
+    s.cache.allocator.free(hog)
     h.run_until_idle()
     h.assert_no_leak()
 
@@ -122,7 +122,7 @@ def test_kv_pool_never_overflows_under_random_load(overlap):
             while step < 20_000:
                 for rid, n_prompt, max_new in arrivals.get(step, []):
                     h.submit(rid, n_prompt, max_new)
-                used = h.sched.allocator.size - h.sched.allocator.available()
+                used = h.sched.cache.allocator.size - h.sched.cache.allocator.available()
                 assert 0 <= used <= pool
                 if h.sched.step() is None and step > 40 and h.sched.is_idle():
                     break

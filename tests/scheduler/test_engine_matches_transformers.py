@@ -14,6 +14,7 @@ from common.server_args import ServerArgs
 from model_proc.runner import ModelRunner
 from scheduler_proc.scheduler import Scheduler
 from tests.helpers import greedy_parting, hf_greedy_with_top, load_hf
+from tests.scheduler.test_scheduler import assert_no_leak
 
 MODES = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
 # transformers' reference outputs, computed once for both modes
@@ -57,8 +58,7 @@ class Engine:
 
     def assert_no_leak(self) -> None:
         s = self.sched
-        assert s.allocator.available() == s.allocator.size
-        assert s.req_to_token_pool.available() == s.req_to_token_pool.num_rows
+        assert_no_leak(s)
         assert not s.reqs_by_rid and not s.waiting_queue and s.running_batch is None
 
 

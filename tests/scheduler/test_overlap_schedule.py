@@ -33,7 +33,8 @@ def streamed(outputs: list[BatchTokenOut]) -> dict[str, tuple[list[int], dict]]:
     return {rid: (tokens[rid], finals[rid]) for rid in tokens}
 
 
-def random_load(seed: int, overlap: bool, batching: str, aborts: bool = False) -> Harness:
+def random_load(seed: int, overlap: bool, batching: str, aborts: bool = False,
+                radix_cache: bool = True) -> Harness:
     """Requests arriving over 40 steps, some streamed, in a pool small enough to
     retract, prefilled in chunks, finishing on stop tokens or on length (and,
     with `aborts`, some aborted at a random step)."""
@@ -41,7 +42,8 @@ def random_load(seed: int, overlap: bool, batching: str, aborts: bool = False) -
     pool = rng.randint(60, 300)
     h = Harness(max_running=rng.randint(1, 12), max_total_tokens=pool,
                 chunked_prefill_size=rng.choice([-1, 8, 32]), eos_one_in=rng.choice([0, 5, 20]),
-                batching=batching, batch_timeout_ms=0, disable_overlap_schedule=not overlap)
+                batching=batching, batch_timeout_ms=0, disable_overlap_schedule=not overlap,
+                disable_radix_cache=not radix_cache)
     arrivals: dict[int, list] = {}
     for i in range(rng.randint(5, 30)):
         n_prompt = rng.randint(1, 40)
@@ -62,13 +64,19 @@ def random_load(seed: int, overlap: bool, batching: str, aborts: bool = False) -
     return h
 
 
-@pytest.mark.parametrize("batching", ["continuous", "static", "dynamic"])
-def test_overlap_gives_the_plain_loops_outputs_under_random_load(batching):
+@pytest.mark.parametrize("batching,radix_cache", [("continuous", False), ("continuous", True),
+                                                  ("static", False), ("dynamic", False)])
+def test_overlap_gives_the_plain_loops_outputs_under_random_load(batching, radix_cache):
+    """Same tokens and finish reasons; without the prefix cache also the same
+    retractions. (With it, the overlap inserts a prompt into the cache one step
+    later, so a request arriving in between may miss it and admission differs.)"""
     retractions = 0
     for seed in range(25):
-        on, off = random_load(seed, True, batching), random_load(seed, False, batching)
+        on = random_load(seed, True, batching, radix_cache=radix_cache)
+        off = random_load(seed, False, batching, radix_cache=radix_cache)
         assert streamed(on.outputs) == streamed(off.outputs), f"seed {seed}"
-        assert on.sched.total_retractions == off.sched.total_retractions
+        if not radix_cache:
+            assert on.sched.total_retractions == off.sched.total_retractions
         retractions += on.sched.total_retractions
     assert batching != "continuous" or retractions > 0  # the loads did retract
 
@@ -119,7 +127,7 @@ def run_with(model, overlap: bool, reqs: list[tuple[str, int, int]]) -> list[Bat
     for _ in range(100):
         if sched.step() is None and sched.is_idle():
             break
-    assert sched.allocator.available() == sched.allocator.size
+    assert sched.cache.available() == sched.cache.size and not sched.cache.resident
     return outputs
 
 
@@ -185,18 +193,18 @@ def test_max_new_tokens_is_exact_and_no_step_runs_past_it(overlap):
 def test_abort_while_its_step_is_in_flight_frees_the_kv_and_sends_nothing_more():
     h = Harness(disable_overlap_schedule=False)
     h.submit("a", n_prompt=10, max_new=100, stream=True)
-    h.submit("b", n_prompt=10, max_new=5)
-    h.sched.step()  # prefill a and b: in flight
+    h.submit("bb", n_prompt=10, max_new=5)  # a prompt of its own: nothing of a's is shared
+    h.sched.step()  # prefill a and bb: in flight
     h.sched.step()  # decode sent, prefill result read; the decode is in flight
     assert h.sched.inflight
-    used_before = h.sched.allocator.size - h.sched.allocator.available()
+    used_before = h.sched.cache.size - h.sched.cache.available()  # held by requests
     h.sched.process_input_requests([AbortReq(rid="a")])
-    used_after = h.sched.allocator.size - h.sched.allocator.available()
+    used_after = h.sched.cache.size - h.sched.cache.available()
     assert used_before - used_after == 11  # its prompt and the slot of the step in flight
     h.run_until_idle()
     out = streamed(h.outputs)  # nothing for "a" after its abort
     assert out["a"][1]["type"] == "abort" and len(out["a"][0]) == 1
-    assert out["b"][1] == {"type": "length", "length": 5}
+    assert out["bb"][1] == {"type": "length", "length": 5}
     h.assert_no_leak()
 
 

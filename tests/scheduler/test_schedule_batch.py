@@ -1,7 +1,8 @@
 import torch
 
 from common.messages import SamplingParams
-from scheduler_proc.memory import ReqToTokenPool, TokenSlotAllocator
+from scheduler_proc.cache_manager import CacheManager
+from scheduler_proc.memory import TokenSlotAllocator
 from scheduler_proc.req import Req
 from scheduler_proc.schedule_batch import ROW_FIELDS, ScheduleBatch
 
@@ -12,9 +13,15 @@ def make_req(rid: str, n_prompt: int, temperature: float = 0.0, seed: int | None
                stop_token_ids=frozenset({2}))
 
 
-def prefilled_batch(reqs, pool, alloc) -> ScheduleBatch:
+def new_cache() -> CacheManager:
+    return CacheManager(pool_size=100, num_rows=4, context_len=64, use_tree=False)
+
+
+def prefilled_batch(reqs, cache: CacheManager) -> ScheduleBatch:
+    for r in reqs:
+        cache.admit(r, None)
     batch = ScheduleBatch.init_new(reqs)
-    batch.prepare_for_extend(pool, alloc)
+    batch.prepare_for_extend(cache)
     for r, s in zip(reqs, batch.seq_lens.tolist()):
         r.kv_len = s
         r.output_ids.append(7)
@@ -22,23 +29,23 @@ def prefilled_batch(reqs, pool, alloc) -> ScheduleBatch:
 
 
 def test_prepare_for_extend_writes_table_and_allocates_each_new_token_once():
-    pool, alloc = ReqToTokenPool(4, 64), TokenSlotAllocator(100)
+    cache = new_cache()
     reqs = [make_req("a", 3), make_req("b", 5)]
-    batch = prefilled_batch(reqs, pool, alloc)
+    batch = prefilled_batch(reqs, cache)
     assert batch.input_ids.tolist() == list(range(10, 13)) + list(range(10, 15))
     assert batch.seq_lens.tolist() == [3, 5]
     locs = batch.out_cache_loc
     assert len(set(locs.tolist())) == 8 and 0 not in locs.tolist()
-    assert alloc.available() == 92
-    table = pool.req_to_token
+    assert cache.allocator.available() == 92
+    table = cache.table
     assert table[reqs[0].req_pool_idx, :3].tolist() == locs[:3].tolist()
     assert table[reqs[1].req_pool_idx, :5].tolist() == locs[3:].tolist()
 
 
 def test_filter_batch_gathers_the_live_rows_of_every_tensor():
-    pool, alloc = ReqToTokenPool(4, 64), TokenSlotAllocator(100)
+    cache = new_cache()
     reqs = [make_req("a", 3, 0.5, 11), make_req("b", 5, 0.7, None), make_req("c", 2, 0.9, 13)]
-    batch = prefilled_batch(reqs, pool, alloc)
+    batch = prefilled_batch(reqs, cache)
     before = {name: getattr(batch, name).clone() for name in ROW_FIELDS}
     reqs[1].abort("gone")
     batch.filter_batch()
@@ -50,17 +57,17 @@ def test_filter_batch_gathers_the_live_rows_of_every_tensor():
 
 
 def test_filter_batch_with_explicit_indices_reorders():
-    pool, alloc = ReqToTokenPool(4, 64), TokenSlotAllocator(100)
-    batch = prefilled_batch([make_req("a", 3), make_req("b", 5), make_req("c", 2)], pool, alloc)
+    cache = new_cache()
+    batch = prefilled_batch([make_req("a", 3), make_req("b", 5), make_req("c", 2)], cache)
     batch.filter_batch([2, 0])
     assert [r.rid for r in batch.reqs] == ["c", "a"]
     assert batch.seq_lens.tolist() == [2, 3]
 
 
 def test_merge_batch_concatenates_rows_in_order():
-    pool, alloc = ReqToTokenPool(4, 64), TokenSlotAllocator(100)
-    running = prefilled_batch([make_req("a", 3, seed=1)], pool, alloc)
-    new = prefilled_batch([make_req("b", 5, seed=2), make_req("c", 2, seed=3)], pool, alloc)
+    cache = new_cache()
+    running = prefilled_batch([make_req("a", 3, seed=1)], cache)
+    new = prefilled_batch([make_req("b", 5, seed=2), make_req("c", 2, seed=3)], cache)
     running.merge_batch(new)
     assert [r.rid for r in running.reqs] == ["a", "b", "c"]
     assert running.seq_lens.tolist() == [3, 5, 2]
@@ -71,14 +78,14 @@ def test_merge_batch_concatenates_rows_in_order():
 
 
 def test_prepare_for_decode_gives_each_row_one_slot_at_its_next_position():
-    pool, alloc = ReqToTokenPool(4, 64), TokenSlotAllocator(100)
+    cache = new_cache()
     reqs = [make_req("a", 3), make_req("b", 5)]
-    batch = prefilled_batch(reqs, pool, alloc)
-    batch.prepare_for_decode(pool, alloc)
+    batch = prefilled_batch(reqs, cache)
+    batch.prepare_for_decode(cache)
     assert batch.forward_mode == "decode"
     assert batch.input_ids.tolist() == [7, 7]
     assert batch.seq_lens.tolist() == [4, 6]
-    table = pool.req_to_token
+    table = cache.table
     assert table[reqs[0].req_pool_idx, 3].item() == batch.out_cache_loc[0].item()
     assert table[reqs[1].req_pool_idx, 5].item() == batch.out_cache_loc[1].item()
 

@@ -49,10 +49,20 @@ class Harness:
                 for t in ts]
 
     def assert_no_leak(self) -> None:
-        s = self.sched
-        assert s.allocator.available() == s.allocator.size
-        assert s.req_to_token_pool.available() == s.req_to_token_pool.num_rows
-        assert not s.reqs_by_rid
+        assert_no_leak(self.sched)
+        assert not self.sched.reqs_by_rid
+
+
+def assert_no_leak(sched: Scheduler) -> None:
+    """Nothing held: the accounts add up, no request is resident, every slot is
+    free or cached and evictable; flushing the cache then frees every slot."""
+    cache = sched.cache
+    assert cache.check_invariant() is None, cache.check_invariant()
+    assert not cache.resident
+    assert cache.available() == cache.size
+    assert cache.req_to_token_pool.available() == cache.req_to_token_pool.num_rows
+    cache.flush()
+    assert cache.allocator.available() == cache.size
 
 
 # the key behaviours hold with the overlap schedule on and off
@@ -166,16 +176,18 @@ def test_abort_right_after_a_static_prefill_keeps_the_row_as_padding(overlap):
 def test_abort_of_running_request_frees_its_kv_at_once(overlap):
     h = Harness(disable_overlap_schedule=not overlap)
     h.submit("a", n_prompt=10, max_new=100)
-    h.submit("b", n_prompt=10, max_new=5)
+    # a prompt of its own (same-length rids get the same prompt, whose KV the
+    # prefix cache would share: a's prompt slots would stay held by "bb")
+    h.submit("bb", n_prompt=10, max_new=5)
     h.sched.step()  # prefill both
     h.sched.step()  # decode
-    used_before = h.sched.allocator.size - h.sched.allocator.available()
+    used_before = h.sched.cache.size - h.sched.cache.available()  # held by requests
     h.sched.process_input_requests([AbortReq(rid="a")])
-    used_after = h.sched.allocator.size - h.sched.allocator.available()
+    used_after = h.sched.cache.size - h.sched.cache.available()
     assert used_before - used_after == 11  # a's 10 prompt tokens and 1 decoded token
     assert h.finals()["a"][0]["type"] == "abort"
     h.run_until_idle()
-    assert h.finals()["b"][0]["type"] == "length"
+    assert h.finals()["bb"][0]["type"] == "length"
     assert all(len(b.req_pool_indices) == 1 for b in h.model.batches[2:])
     h.assert_no_leak()
 
@@ -190,7 +202,7 @@ def test_a_stop_string_matched_by_the_tokenizer_finishes_as_a_stop_not_an_abort(
     h.sched.step()
     h.sched.step()
     h.sched.process_input_requests([AbortReq(rid="a", stop_matched=" the end")])
-    assert h.sched.allocator.available() == h.sched.allocator.size
+    assert h.sched.cache.available() == h.sched.cache.size and not h.sched.cache.resident
     assert h.finals()["a"][0] == {"type": "stop", "matched": " the end"}
     h.run_until_idle()
     finished = [e for e in h.sched.timeline.since(0.0) if e.get("event") == "finished"]
@@ -226,7 +238,7 @@ def test_request_that_can_never_fit_in_the_pool_gets_an_error_not_a_hang():
 def test_admission_waits_for_kv_instead_of_overcommitting(overlap):
     h = Harness(max_running=8, max_total_tokens=64, disable_overlap_schedule=not overlap)
     for i in range(4):  # each needs 10 + 20 = 30 slots: only two fit at once
-        h.submit(f"r{i}", n_prompt=10, max_new=20)
+        h.submit("r" * (i + 1), n_prompt=10, max_new=20)  # prompts of their own: nothing shared
     h.run_until_idle()
     assert max(len(b.req_pool_indices) for b in h.model.batches) == 2
     assert all(f[0]["type"] == "length" for f in h.finals().values())

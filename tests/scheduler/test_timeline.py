@@ -19,8 +19,8 @@ def test_scripted_run_records_every_request_event_in_order_including_a_retractio
     # overflow it, so the youngest is retracted and later recomputed; "long"
     # arrives later with a prompt that is prefilled in chunks of 16
     h = Harness(max_running=8, max_total_tokens=100, chunked_prefill_size=16)
-    for i in range(3):
-        h.submit(f"r{i}", n_prompt=10, max_new=30)
+    for i in range(3):  # prompts of their own (a shared one would be cached and fit)
+        h.submit("r" * (i + 1), n_prompt=10, max_new=30)
     for _ in range(5):
         h.sched.step()
     h.submit("long", n_prompt=40, max_new=2)

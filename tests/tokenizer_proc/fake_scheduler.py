@@ -28,7 +28,8 @@ from common.messages import (AbortReq, BatchTokenOut, IpcPaths, SchedulerQuery, 
 
 
 FAKE_STATE = {"num_running_reqs": 1, "num_waiting_reqs": 2, "token_usage": 0.25,
-              "total_retractions": 3, "new_token_ratio": 0.5, "batch_utilisation": 1.0}
+              "total_retractions": 3, "new_token_ratio": 0.5, "batch_utilisation": 1.0,
+              "cache_hit_rate": 0.5, "evictable_kv_slots": 7}
 
 
 class FakeScheduler:

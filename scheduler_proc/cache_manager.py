@@ -1,0 +1,207 @@
+"""CacheManager: the one owner of KV state. Every slot and every table row is
+handed out, shared, taken back and evicted here, and nowhere else.
+
+Who owns a KV slot (slot 0 is the padding dummy and belongs to no one):
+
+    free list ──alloc──► a running request's own tail ──finish: insert──► tree
+        ▲                     (positions cache_len..kv_len                │
+        │                      of its req_to_token row)                   │
+        └──────── free: retraction, abort, duplicates ◄───────────────────┤
+        └──────── evict: least recently used unlocked leaves ◄────────────┘
+
+    tree slots are protected while some request's matched path holds a lock
+    on them (positions 0..cache_len of its row), evictable otherwise.
+
+    Invariant: free + evictable + protected + Σ requests' own tails = pool size.
+
+A request's row of `req_to_token` maps its positions to slots: the first
+`cache_len` are the tree's (locked by `req.last_node`), the rest its own. The
+model process's copy of the table follows what the batches carry: new
+tokens' slots, and the rows this class rewrote (`req.table_sync_len`, sent as
+ForwardBatch.table_rows with the request's next step), so a request can start
+from KV that another request computed.
+
+With `--disable-radix-cache` (and under static or dynamic batching) there is
+no tree: nothing is matched or inserted, and a request's slots go back to the
+free list when it ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from scheduler_proc.memory import ReqToTokenPool, TokenSlotAllocator
+from scheduler_proc.radix_cache import PrefixMatch, RadixCache
+from scheduler_proc.req import Req
+
+
+class CacheManager:
+    def __init__(self, pool_size: int, num_rows: int, context_len: int, use_tree: bool) -> None:
+        self.size = pool_size
+        self.allocator = TokenSlotAllocator(pool_size)
+        self.req_to_token_pool = ReqToTokenPool(num_rows, context_len)
+        self.tree = RadixCache(self.allocator.free) if use_tree else None
+        self.resident: dict[int, Req] = {}  # table row -> the request holding it
+        # hit rate: prompt tokens offered to match on admission vs. taken from the tree
+        self.matched_tokens = 0
+        self.offered_tokens = 0
+
+    @property
+    def table(self) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token
+
+    # ---- capacity ------------------------------------------------------------------------
+
+    def available(self) -> int:
+        """Slots a request can get now: the free list plus what eviction frees."""
+        return self.allocator.available() + (self.tree.evictable_size if self.tree else 0)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n slots, evicting unlocked cache if the free list is short; None if
+        even that is not enough (nothing is evicted then)."""
+        short = n - self.allocator.available()
+        if short > 0:
+            if self.tree is None or self.tree.evictable_size < short:
+                return None
+            self.tree.evict(short)
+        return self.allocator.alloc(n)
+
+    # ---- admission -----------------------------------------------------------------------
+
+    def match(self, req: Req) -> PrefixMatch | None:
+        """The cached prefix `req` could start from: at most all but its last
+        token, which must be computed for its logits. None without a tree."""
+        if self.tree is None:
+            return None
+        key = req.fill_ids[:req.seq_len - 1]
+        return self.tree.match_prefix(key, req.cache_salt)
+
+    def newly_protected(self, match: PrefixMatch | None) -> int:
+        """Evictable slots that admitting with `match` would lock (they stop
+        counting as available)."""
+        return self.tree.evictable_on_path(match.node) if self.tree and match else 0
+
+    def admit(self, req: Req, match: PrefixMatch | None) -> None:
+        """Give `req` a table row holding its matched prefix, locked in the tree.
+        The caller checked that a row is free (the running-request budget)."""
+        row = self.req_to_token_pool.alloc()
+        assert row is not None, "admitted without a free req_to_token row"
+        req.req_pool_idx = row
+        self.resident[row] = req
+        n = match.length if match is not None else 0
+        if match is not None:
+            assert self.tree is not None
+            self.tree.lock(match.node)
+            req.last_node = match.node
+            self.table[row, :n] = match.slots.to(torch.int32)
+            req.table_sync_len = n
+            self.offered_tokens += req.seq_len - 1
+            self.matched_tokens += n
+        req.cache_len = req.kv_len = n
+
+    # ---- while running -------------------------------------------------------------------
+
+    def cache_unfinished(self, req: Req, n: int) -> None:
+        """Put a running request's first n tokens (their KV computed, or being
+        computed by a step already sent) in the tree, so that requests coming
+        later can share them, and move its lock there: after its prefill, and
+        between the chunks of a chunked prefill."""
+        if self.tree is None or n <= req.cache_len:
+            return
+        row = self.table[req.req_pool_idx]
+        had = self._insert_own(req, req.fill_ids[:n], row[:n].long())
+        match = self.tree.match_prefix(req.fill_ids[:n], req.cache_salt)
+        assert match.length == n, "an inserted key must match in full"
+        if had > req.cache_len:
+            # its duplicates were freed: point the row at the tree's copies, here
+            # and (with the request's next step) in the model process
+            row[:n] = match.slots.to(torch.int32)
+            req.table_sync_len = max(req.table_sync_len, had)
+        self.tree.lock(match.node)
+        self._unlock(req)
+        req.last_node = match.node
+        req.cache_len = n
+
+    def _insert_own(self, req: Req, key: list[int], slots: torch.Tensor) -> int:
+        """Insert `key`; the request's own slots for tokens the tree already had
+        (put there by another request meanwhile) are duplicates: free them.
+        Returns how many leading tokens the tree had."""
+        assert self.tree is not None
+        had = self.tree.insert(key, slots, req.cache_salt)
+        if had > req.cache_len:
+            self.allocator.free(slots[req.cache_len:had])
+        return had
+
+    # ---- the end of a residency ----------------------------------------------------------
+
+    def release(self, req: Req, cache: bool) -> None:
+        """Take back `req`'s row and slots. `cache`: it finished, so its prompt
+        and output go into the tree for later requests (the tokens whose KV is,
+        or will be by a step already sent, in its slots). Otherwise (retraction,
+        abort) only its own tail is freed and its prefix unlocked."""
+        if not req.req_pool_idx:
+            return
+        row = self.table[req.req_pool_idx]
+        kept = req.cache_len
+        if cache and self.tree is not None:
+            kept = min(req.kv_len, req.seq_len)
+            if kept > req.cache_len:
+                self._insert_own(req, req.fill_ids[:kept], row[:kept].long())
+        if req.kv_len > kept:
+            self.allocator.free(row[kept:req.kv_len].long())
+        self._unlock(req)
+        del self.resident[req.req_pool_idx]
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = 0
+        req.kv_len = req.cache_len = req.table_sync_len = 0
+
+    def _unlock(self, req: Req) -> None:
+        if req.last_node is not None:
+            assert self.tree is not None
+            self.tree.unlock(req.last_node)
+            req.last_node = None
+
+    def flush(self) -> None:
+        """Empty the tree; the caller checked that no request is resident."""
+        if self.tree is not None:
+            self.tree.reset()
+
+    # ---- accounts ------------------------------------------------------------------------
+
+    def check_invariant(self) -> str | None:
+        """free + evictable + protected + requests' own tails == pool size, and
+        the tree's own counts agree with its nodes. None when it holds."""
+        if self.tree is not None:
+            error = self.tree.check()
+            if error:
+                return f"radix tree: {error}"
+        evictable, protected = (self.tree.evictable_size, self.tree.protected_size) if self.tree else (0, 0)
+        resident = list(self.resident.values())
+        own = sum(r.kv_len - r.cache_len for r in resident)
+        free = self.allocator.available()
+        if free + evictable + protected + own != self.size:
+            return (f"KV slots do not add up: free {free} + evictable {evictable} + protected "
+                    f"{protected} + requests' own {own} != pool {self.size}")
+        if not resident and protected:
+            return f"{protected} slots stay locked in the tree with no request resident"
+        rows = self.req_to_token_pool
+        if rows.available() + len(resident) != rows.num_rows:
+            return (f"req_to_token rows do not add up: free {rows.available()} + resident "
+                    f"{len(resident)} != {rows.num_rows}")
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        tree = self.tree
+        return {
+            "free_kv_slots": self.allocator.available(),
+            "evictable_kv_slots": tree.evictable_size if tree else 0,
+            "protected_kv_slots": tree.protected_size if tree else 0,
+            "held_kv_slots": self.size - self.available(),  # by requests, directly or by lock
+            "total_kv_slots": self.size,
+            "free_req_rows": self.req_to_token_pool.available(),
+            "total_req_rows": self.req_to_token_pool.num_rows,
+            "radix_tree_nodes": tree.num_nodes() if tree else 0,
+            "cache_hit_rate": self.matched_tokens / self.offered_tokens if self.offered_tokens else 0.0,
+        }

@@ -1,0 +1,227 @@
+"""The radix tree of cached prefixes: token ids -> the KV slots that hold them.
+
+A node's `key` is a run of token ids and its `value` the KV slots of those
+tokens, at the positions the path from the root gives them. A request that
+shares a prefix with an earlier one matches the longest path of that prefix
+and reuses its slots instead of recomputing them.
+
+Slots in the tree are either protected (some running request holds a lock on
+a node at or below them) or evictable (no lock): eviction frees unlocked
+leaves, least recently used first, and a parent left childless and unlocked
+becomes a leaf in turn. The tree only keeps accounts; freeing a slot is the
+caller's (`free_slots`), so one class (KVCache) owns the slot lifecycle.
+
+Requests with different `cache_salt` never share a node: each salt has a
+root of its own.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+_clock = itertools.count()  # LRU order: a counter, not wall time (ties are impossible)
+
+
+@dataclass(eq=False)
+class TreeNode:
+    key: list[int]
+    value: torch.Tensor  # int64 KV slots, one per key token
+    parent: "TreeNode | None"
+    children: dict[int, "TreeNode"] = field(default_factory=dict)  # by first token
+    lock_ref: int = 0  # running requests whose matched path goes through here
+    last_access: int = field(default_factory=lambda: next(_clock))
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+
+@dataclass
+class PrefixMatch:
+    """The longest cached prefix of a key: its slots, and the deepest node the
+    match ends on (lock it to keep the whole path in the tree)."""
+
+    slots: torch.Tensor
+    node: TreeNode
+
+    @property
+    def length(self) -> int:
+        return int(self.slots.numel())
+
+
+def _shared_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class RadixCache:
+    def __init__(self, free_slots: Callable[[torch.Tensor], None]) -> None:
+        self.free_slots = free_slots
+        self.roots: dict[str, TreeNode] = {}
+        self.evictable_size = 0  # slots in nodes no request locks
+        self.protected_size = 0  # slots in locked nodes
+
+    def root(self, salt: str) -> TreeNode:
+        node = self.roots.get(salt)
+        if node is None:
+            node = self.roots[salt] = TreeNode(key=[], value=torch.empty(0, dtype=torch.int64),
+                                               parent=None, lock_ref=1)  # a root never leaves
+        return node
+
+    @property
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size
+
+    # ---- lookup and insertion -----------------------------------------------------------
+
+    def match_prefix(self, key: list[int], salt: str = "") -> PrefixMatch:
+        """The longest prefix of `key` in the tree. A match that ends inside a
+        node splits it, so the match always ends on a node boundary."""
+        node = self.root(salt)
+        parts: list[torch.Tensor] = []
+        pos = 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            n = _shared_len(child.key, key[pos:])
+            if n < len(child):
+                child = self._split(child, n)
+            child.last_access = next(_clock)
+            parts.append(child.value)
+            node = child
+            pos += n
+        slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return PrefixMatch(slots=slots, node=node)
+
+    def insert(self, key: list[int], slots: torch.Tensor, salt: str = "") -> int:
+        """Add `key` with its `slots`. Returns how many leading tokens were in
+        the tree already: their slots in `slots` are duplicates that the caller
+        still owns (and frees); the rest now belong to the tree (evictable)."""
+        assert len(key) == slots.numel()
+        node = self.root(salt)
+        pos = 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                new = TreeNode(key=list(key[pos:]), value=slots[pos:].clone(), parent=node)
+                node.children[key[pos]] = new
+                self.evictable_size += len(new)
+                return pos
+            n = _shared_len(child.key, key[pos:])
+            if n < len(child):
+                child = self._split(child, n)
+            child.last_access = next(_clock)
+            node = child
+            pos += n
+        return pos
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut `child` after its first n tokens; returns the new upper part.
+        Locks are per path, so the upper part inherits the child's count."""
+        parent = child.parent
+        assert parent is not None and 0 < n < len(child)
+        upper = TreeNode(key=child.key[:n], value=child.value[:n], parent=parent,
+                         lock_ref=child.lock_ref, last_access=child.last_access)
+        parent.children[child.key[0]] = upper
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        upper.children[child.key[0]] = child
+        return upper
+
+    # ---- locks ---------------------------------------------------------------------------
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect the path root..node from eviction (a request uses it)."""
+        while not node.is_root:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node)
+                self.protected_size += len(node)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: TreeNode) -> None:
+        while not node.is_root:
+            assert node.lock_ref > 0, "unlock without a lock"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.protected_size -= len(node)
+                self.evictable_size += len(node)
+            node = node.parent  # type: ignore[assignment]
+
+    def evictable_on_path(self, node: TreeNode) -> int:
+        """Slots that locking `node` would move from evictable to protected."""
+        n = 0
+        while not node.is_root:
+            if node.lock_ref == 0:
+                n += len(node)
+            node = node.parent  # type: ignore[assignment]
+        return n
+
+    # ---- eviction ------------------------------------------------------------------------
+
+    def evict(self, num_slots: int) -> int:
+        """Free at least `num_slots` slots (fewer if not that many are
+        evictable), least recently used leaves first. Returns slots freed."""
+        leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_slots and leaves:
+            _, _, node = heapq.heappop(leaves)
+            parent = node.parent
+            assert parent is not None
+            self.free_slots(node.value)
+            freed += len(node)
+            self.evictable_size -= len(node)
+            del parent.children[node.key[0]]
+            if not parent.is_root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+        return freed
+
+    def reset(self) -> None:
+        """Drop every node (the caller checked that nothing is locked)."""
+        assert self.protected_size == 0, "reset with locked nodes"
+        for node in self._nodes():
+            self.free_slots(node.value)
+        self.roots.clear()
+        self.evictable_size = 0
+
+    def _nodes(self) -> list[TreeNode]:
+        out: list[TreeNode] = []
+        stack = [c for r in self.roots.values() for c in r.children.values()]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def check(self) -> str | None:
+        """Recount sizes and locks from the nodes; a description of the first
+        mismatch, or None."""
+        evictable = protected = 0
+        for node in self._nodes():
+            if len(node) == 0 or len(node) != node.value.numel():
+                return f"node with key length {len(node)} and {node.value.numel()} slots"
+            if node.lock_ref < sum(c.lock_ref for c in node.children.values()):
+                return "a node holds fewer locks than its children"
+            if node.lock_ref:
+                protected += len(node)
+            else:
+                evictable += len(node)
+        if (evictable, protected) != (self.evictable_size, self.protected_size):
+            return (f"counted evictable {evictable} / protected {protected}, recorded "
+                    f"{self.evictable_size} / {self.protected_size}")
+        return None
+
+    def num_nodes(self) -> int:
+        return len(self._nodes())
