@@ -78,6 +78,11 @@ class CacheManager:
         key = req.fill_ids[:req.seq_len - 1]
         return self.tree.match_prefix(key, req.cache_salt)
 
+    def cached_len(self, req: Req) -> int:
+        """How much of `req` the cache holds now (for the lpm policy)."""
+        match = self.match(req)
+        return match.length if match is not None else 0
+
     def newly_protected(self, match: PrefixMatch | None) -> int:
         """Evictable slots that admitting with `match` would lock (they stop
         counting as available)."""

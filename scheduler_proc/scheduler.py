@@ -262,7 +262,8 @@ class Scheduler:
             adder.add_chunked_req(self.chunked_req, self.cache.available() - len(running))
             if not adder.can_run:
                 return None
-        self.waiting_queue = order_waiting_queue(self.waiting_queue, self.args.schedule_policy)
+        self.waiting_queue = order_waiting_queue(self.waiting_queue, self.args.schedule_policy,
+                                                 self.cache.cached_len if self.cache.tree else None)
         admitted = 0
         for req in self.waiting_queue:
             match = self.cache.match(req)

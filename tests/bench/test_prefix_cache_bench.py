@@ -258,12 +258,11 @@ def test_the_off_mode_defaults_to_disable_radix_cache_and_a_run_that_fails_is_ke
 
 
 def test_prefix_cache_bench_serves_both_workloads_with_the_cache_on_and_off(tiny_served_model, tmp_path):
-    # The off mode's flags are a stand-in until --disable-radix-cache exists everywhere.
     argv = ["--model-path", tiny_served_model, "--num-groups", "2", "--prompts-per-group", "3",
             "--system-prompt-len", "48", "--question-len", "8", "--output-len", "4",
             "--num-conversations", "2", "--num-turns", "3", "--turn-question-len", "8", "--turn-output-len", "4",
             "--server-args=--max-running-requests 4 --max-total-tokens 1024",
-            "--off-server-args=--schedule-policy fcfs", "--quiet-threshold", "1", "--out-dir", str(tmp_path)]
+            "--quiet-threshold", "1", "--out-dir", str(tmp_path)]
     result = prefix_cache.main(argv)
 
     saved = json.loads((tmp_path / "prefix_cache.json").read_text())
@@ -280,7 +279,10 @@ def test_prefix_cache_bench_serves_both_workloads_with_the_cache_on_and_off(tiny
         assert r["cache_hit_rate"] == pytest.approx(r["total_cached_tokens"] / r["total_input_tokens"])
         assert 0 < r["prefix_share"] < 1 and len(r["load_average"]) == 3
     assert rows[0]["server_flags"] == "--max-running-requests 4 --max-total-tokens 1024"
-    assert rows[1]["server_flags"].endswith("--schedule-policy fcfs")
+    assert rows[1]["server_flags"].endswith("--disable-radix-cache")
+    # the cache hits where it is on, never where it is off
+    assert rows[0]["cache_hit_rate"] > 0 and rows[2]["cache_hit_rate"] > 0
+    assert rows[1]["cache_hit_rate"] == 0 and rows[3]["cache_hit_rate"] == 0
     # 4 of the 6 prompts repeat a 48-word system prompt of 48 + 8 words
     assert rows[0]["prefix_share"] == pytest.approx(4 * 48 / (6 * 56))
     assert [x["workload"] for x in saved["ratios"]] == ["shared-prefix", "multi-turn"]

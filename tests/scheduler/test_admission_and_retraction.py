@@ -9,9 +9,11 @@ import time
 from collections import deque
 
 import pytest
+import torch
 
 from common.messages import SamplingParams
-from scheduler_proc.policy import order_waiting_queue
+from scheduler_proc.policy import LPM_MAX_WAIT_S, order_waiting_queue
+from scheduler_proc.radix_cache import RadixCache
 from scheduler_proc.req import Req
 from scheduler_proc.schedule_batch import OutOfKVSlots
 from tests.scheduler.test_scheduler import MODES, Harness
@@ -196,13 +198,57 @@ def _req(rid: str, prompt: list[int]) -> Req:
                stop_token_ids=frozenset())
 
 
-def test_lpm_puts_requests_sharing_the_longest_prefix_first():
-    q = deque([_req("lonely", [9, 9, 9]), _req("a", [1, 2, 3, 4, 5]), _req("b", [7, 7]),
-               _req("c", [1, 2, 3, 4, 6]), _req("d", [7, 7, 8])])
-    assert [r.rid for r in order_waiting_queue(q, "lpm")] == ["a", "c", "b", "d", "lonely"]
-    assert [r.rid for r in order_waiting_queue(q, "fcfs")] == ["lonely", "a", "b", "c", "d"]
+def test_lpm_puts_the_requests_with_the_longest_cache_hit_first():
+    cache = RadixCache(lambda slots: None)
+    cache.insert([1, 2, 3, 4, 5, 6], torch.arange(1, 7))
+    cache.insert([7, 7, 7], torch.arange(7, 10))
+
+    def cached_len(r: Req) -> int:
+        return cache.match_prefix(r.origin_input_ids[:-1]).length
+
+    q = deque([_req("lonely", [9, 9, 9]), _req("a", [1, 2, 3, 9]), _req("b", [7, 7]),
+               _req("c", [1, 2, 3, 4, 5, 8]), _req("d", [7, 7, 7, 8])])
+    now = time.time()
+    assert [r.rid for r in order_waiting_queue(q, "lpm", cached_len, now)] == ["c", "a", "d", "b", "lonely"]
+    assert [r.rid for r in order_waiting_queue(q, "fcfs", cached_len, now)] == ["lonely", "a", "b", "c", "d"]
+    assert order_waiting_queue(q, "lpm", None, now) is q  # no cache: fcfs, as SGLang
     big = deque(_req(str(i), [i % 3] * 4) for i in range(200))
-    assert order_waiting_queue(big, "lpm") is big  # fcfs above 128 waiting
+    assert order_waiting_queue(big, "lpm", cached_len, now) is big  # fcfs above 128 waiting
+
+
+def test_lpm_never_passes_over_a_request_for_longer_than_its_bound():
+    cache = RadixCache(lambda slots: None)
+    cache.insert([1, 2, 3, 4], torch.arange(1, 5))
+
+    def cached_len(r: Req) -> int:
+        return cache.match_prefix(r.origin_input_ids[:-1]).length
+
+    miss, hit = _req("miss", [9, 9, 9]), _req("hit", [1, 2, 3, 4, 5])
+    q = deque([miss, hit])
+    now = miss.arrival_time + LPM_MAX_WAIT_S / 2
+    assert [r.rid for r in order_waiting_queue(q, "lpm", cached_len, now)] == ["hit", "miss"]
+    now = miss.arrival_time + LPM_MAX_WAIT_S + 0.1  # waited too long: it goes first
+    assert [r.rid for r in order_waiting_queue(q, "lpm", cached_len, now)] == ["miss", "hit"]
+
+
+def test_lpm_admits_a_cache_miss_within_its_bound_under_a_stream_of_hits(monkeypatch):
+    """One request admitted at a time, a new cache hit arriving every 0.5 s
+    (same prompt: same-length rids) and one miss: the hits would go first
+    forever; the miss is admitted once it has waited LPM_MAX_WAIT_S."""
+    clock = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    h = Harness(max_running=1, schedule_policy="lpm", disable_overlap_schedule=True)
+    h.submit("h000", n_prompt=30, max_new=1)
+    h.submit("m", n_prompt=10, max_new=1)
+    for k in range(1, 100):
+        clock[0] += 0.5
+        h.submit(f"h{k:03d}", n_prompt=30, max_new=1)
+        h.sched.step()
+        if "m" in h.finals():
+            break
+    waited = next(e["t"] for e in h.sched.timeline.events if e.get("rid") == "m" and e["event"] == "admitted") - 1000.0
+    assert LPM_MAX_WAIT_S < waited <= LPM_MAX_WAIT_S + 1.0
+    assert sum(1 for rid in h.finals() if rid.startswith("h")) >= 8  # hits did go first meanwhile
 
 
 # the chapter's 8-request example, scaled down 16x: lengths sum to 123, the longest is 64
