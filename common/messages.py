@@ -21,6 +21,22 @@ class SamplingParams(msgspec.Struct):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
+    # Penalties, applied by the model process (model_proc/penalties.py) to the
+    # logits before sampling, in this order: repetition (HF/CTRL, over prompt
+    # and output tokens), frequency and presence (OpenAI's, over output tokens),
+    # logit_bias (token id -> added to its logit), then min_new_tokens (the
+    # row's stop tokens masked until that many tokens were generated).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    logit_bias: dict[int, float] = {}
+    stream_interval: int | None = None  # tokens between streamed chunks (None: --stream-interval)
+
+    def penalized(self) -> bool:
+        """Uses anything the model process must keep per-row state for."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_new_tokens > 0)
 
 
 # ---- tokenizer_proc -> scheduler_proc -------------------------------------------------
@@ -99,6 +115,25 @@ class SchedulerReply(msgspec.Struct, tag=True):
 FUTURE_TOKEN = -1
 
 
+class PenaltyInit(msgspec.Struct):
+    """(Re)builds the penalty state of one row of a ForwardBatch, at the row's
+    first extend after its request was admitted (or re-admitted after a
+    retraction): the model process keeps it per req_to_token row and adds each
+    token it samples for the row. The token history comes from the scheduler,
+    not from the forward: a prefix served by the prefix cache is never
+    recomputed."""
+
+    row: int  # position in the batch
+    output_ids: list[int]  # tokens generated so far (a retracted request has some)
+    prompt_ids: list[int]  # sent only when repetition_penalty != 1 (it counts the prompt too)
+    frequency_penalty: float
+    presence_penalty: float
+    repetition_penalty: float
+    min_new_tokens: int
+    stop_ids: list[int]  # masked until min_new_tokens were generated (sent only when > 0)
+    logit_bias: dict[int, float]
+
+
 class ForwardBatch(msgspec.Struct, tag=True):
     """One step's work for the model, O(batch) in size (plus the prompt tokens of
     an extend). The model keeps `req_to_token` itself and updates it from
@@ -118,6 +153,10 @@ class ForwardBatch(msgspec.Struct, tag=True):
     computed, or moved onto the cache's copy of its own tokens). The sampling lists hold one entry per row; `seeds[i]` is -1
     for an unseeded row; `sample_steps[i]` is the number of tokens row i has
     generated so far (a seeded row's draw depends only on seed and step).
+    Penalties: `penalty_inits` (re)build rows' state before this step;
+    `penalty_rows` are the positions of the rows whose penalties apply to this
+    step's token (only rows that use them and keep the token: not a
+    mid-prompt chunk), so a batch without penalties pays nothing for them.
     """
 
     forward_mode: str
@@ -137,6 +176,8 @@ class ForwardBatch(msgspec.Struct, tag=True):
     table_rows: list[int] = []
     table_lens: list[int] = []
     table_slots: list[int] = []
+    penalty_rows: list[int] = []
+    penalty_inits: list[PenaltyInit] = []
 
 
 class ForwardResult(msgspec.Struct, tag=True):

@@ -19,6 +19,7 @@ from model_proc.attention import create_attention_backend
 from model_proc.dtypes import dtype_name, resolve_dtype
 from model_proc.kv_cache import KVPool, ReqToTokenTable, kv_pool_size
 from model_proc.model import LlamaForCausalLM, ModelConfig
+from model_proc.penalties import PenaltyState
 from model_proc.sampler import Sampler, SamplingBatch
 from model_proc.step_stats import DecodeStepStats
 from model_proc.weights import load_state_dict, resolve_model_path
@@ -66,6 +67,9 @@ class ModelRunner:
         # as FUTURE_TOKEN (overlap schedule) is taken from here
         self.last_sampled = torch.zeros(self.req_to_token.table.shape[0], dtype=torch.int64,
                                         device=self.device)
+        # per req_to_token row: what the penalties of its request need (allocated
+        # the first time a request uses them; see model_proc/penalties.py)
+        self.penalties = PenaltyState(self.req_to_token.table.shape[0], cfg.vocab_size, self.device)
         self.step_stats = DecodeStepStats()
         self.model_info = ModelInfo(
             model_path=self.model_path,
@@ -84,11 +88,17 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         start = time.perf_counter()
         logits = self.compute_logits(batch)
+        if batch.penalty_inits:
+            self.penalties.init_rows(batch)
+        if batch.penalty_rows:  # in place; logprobs below are of the penalized logits, as SGLang's
+            self.penalties.apply(logits, batch)
         params = SamplingBatch.from_lists(batch.temperatures, batch.top_ps, batch.top_ks,
                                           batch.min_ps, batch.seeds, batch.sample_steps, self.device)
         next_ids = self.sampler(logits, params)
         rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=self.device)
         self.last_sampled[rows] = next_ids
+        if batch.penalty_rows:
+            self.penalties.update(batch, next_ids)
         result = ForwardResult(next_token_ids=next_ids.tolist())
         if batch.return_logprob:
             self._add_logprobs(result, logits, next_ids, batch.top_logprobs_nums)
@@ -188,6 +198,20 @@ class ModelRunner:
         lowest = FUTURE_TOKEN if b.forward_mode == "decode" else 0  # the token sampled last
         if min(b.input_ids) < lowest or max(b.input_ids) >= self.model_config.vocab_size:
             raise ValueError("ForwardBatch: input_ids outside the vocabulary")
+        if b.penalty_rows or b.penalty_inits:
+            self._check_penalties(b, bs)
+
+    def _check_penalties(self, b: ForwardBatch, bs: int) -> None:
+        vocab = self.model_config.vocab_size
+        if len(set(b.penalty_rows)) != len(b.penalty_rows) or any(not 0 <= i < bs for i in b.penalty_rows):
+            raise ValueError("ForwardBatch: penalty_rows must be distinct positions in the batch")
+        if b.penalty_rows and not (b.penalty_inits or self.penalties.allocated):
+            raise ValueError("ForwardBatch: penalty_rows for rows whose penalty state was never built")
+        for init in b.penalty_inits:
+            ids = init.output_ids + init.prompt_ids + list(init.logit_bias)
+            if not 0 <= init.row < bs or (ids and (min(ids) < 0 or max(ids) >= vocab)) \
+                    or init.min_new_tokens < 0 or init.repetition_penalty <= 0:
+                raise ValueError("ForwardBatch: a penalty_inits entry is out of range")
 
 
 def _read_json(path: str) -> dict:

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.messages import SamplingParams, TokenizedGenerateReq
+from common.messages import PenaltyInit, SamplingParams, TokenizedGenerateReq
 
 
 @dataclass(slots=True, eq=False)  # identity, not field-wise, equality
@@ -20,6 +20,7 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     cache_salt: str = ""
+    penalized: bool = False  # uses penalties: the model keeps state for its row (PenaltyInit)
 
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int = 0  # row of req_to_token while resident, 0 when not
@@ -37,6 +38,7 @@ class Req:
     first_token_time: float = 0.0  # wall clock of the first output token (0: none yet)
     finished_reason: dict[str, Any] | None = None
     num_retractions: int = 0
+    penalty_state_sent: bool = False  # its row's penalty state went with an extend since admission
     sent_len: int = 0  # output tokens already sent to the tokenizer process
     finish_sent: bool = False  # the final message went out
     # when return_logprob: one entry per output token
@@ -53,7 +55,27 @@ class Req:
                    stop_token_ids=frozenset(stop), stream=msg.stream,
                    arrival_time=msg.arrival_time or time.time(),
                    return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
-                   cache_salt=msg.cache_salt)
+                   cache_salt=msg.cache_salt, penalized=sp.penalized())
+
+    def penalty_init(self, row: int) -> PenaltyInit:
+        """What the model needs to (re)build this request's penalty state, as
+        row `row` of a batch: everything is known at an extend (no token in flight)."""
+        sp = self.sampling_params
+        return PenaltyInit(
+            row=row, output_ids=list(self.output_ids),
+            prompt_ids=self.origin_input_ids if sp.repetition_penalty != 1.0 else [],
+            frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
+            repetition_penalty=sp.repetition_penalty, min_new_tokens=sp.min_new_tokens,
+            stop_ids=sorted(self.stop_token_ids) if sp.min_new_tokens > 0 else [],
+            logit_bias=sp.logit_bias)
+
+    def penalizes_next_token(self) -> bool:
+        """A penalty applies to the token this request samples next (a
+        min_new_tokens-only request stops needing its row once it has them)."""
+        sp = self.sampling_params
+        return bool(sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0
+                    or sp.logit_bias) or \
+            len(self.output_ids) + self.pending_tokens < sp.min_new_tokens
 
     @property
     def fill_ids(self) -> list[int]:

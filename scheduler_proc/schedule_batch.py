@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.messages import FUTURE_TOKEN, ForwardBatch
+from common.messages import FUTURE_TOKEN, ForwardBatch, PenaltyInit
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.req import Req
 
@@ -38,6 +38,7 @@ class ScheduleBatch:
     seeds: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     top_logprobs_nums: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     return_logprob: bool = False  # some row wants logprobs
+    has_penalties: bool = False  # some row uses penalties (else a step never looks for them)
     # this step only
     prefix_lens: list[int] = field(default_factory=list)
     input_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
@@ -46,6 +47,7 @@ class ScheduleBatch:
     table_rows: list[int] = field(default_factory=list)
     table_lens: list[int] = field(default_factory=list)
     table_slots: list[int] = field(default_factory=list)
+    penalty_inits: list[PenaltyInit] = field(default_factory=list)
 
     @classmethod
     def init_new(cls, reqs: list[Req]) -> "ScheduleBatch":
@@ -61,6 +63,7 @@ class ScheduleBatch:
             seeds=torch.tensor([-1 if sp.seed is None else sp.seed for sp in sps], dtype=torch.int64),
             top_logprobs_nums=torch.tensor([r.top_logprobs_num for r in reqs], dtype=torch.int64),
             return_logprob=any(r.return_logprob for r in reqs),
+            has_penalties=any(r.penalized for r in reqs),
         )
 
     def __len__(self) -> int:
@@ -79,6 +82,7 @@ class ScheduleBatch:
             return
         self.reqs = [self.reqs[i] for i in keep_indices]
         self.return_logprob = any(r.return_logprob for r in self.reqs)
+        self.has_penalties = any(r.penalized for r in self.reqs)
         idx = torch.tensor(keep_indices, dtype=torch.int64)
         for name in ROW_FIELDS:
             setattr(self, name, getattr(self, name).index_select(0, idx))
@@ -87,6 +91,7 @@ class ScheduleBatch:
         """Append the rows of `other` (a batch that has just been prefilled)."""
         self.reqs.extend(other.reqs)
         self.return_logprob = self.return_logprob or other.return_logprob
+        self.has_penalties = self.has_penalties or other.has_penalties
         for name in ROW_FIELDS:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
 
@@ -114,6 +119,14 @@ class ScheduleBatch:
             table[r.req_pool_idx, p:p + n] = locs[start:start + n].to(torch.int32)
             start += n
         self.collect_table_rewrites(cache)
+        # a row's penalty state is built from the request's tokens at its first
+        # extend since admission (a cached prefix is not recomputed, and a
+        # retracted request comes back with its output so far)
+        self.penalty_inits = []
+        for i, r in enumerate(self.reqs):
+            if r.penalized and not r.penalty_state_sent:
+                self.penalty_inits.append(r.penalty_init(i))
+                r.penalty_state_sent = True
         self.req_pool_indices = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
         self.seq_lens = torch.tensor([p + n for p, n in zip(self.prefix_lens, extend_lens)],
                                      dtype=torch.int64)
@@ -131,6 +144,7 @@ class ScheduleBatch:
         A token still in flight (overlap) goes as FUTURE_TOKEN: the model has it."""
         self.forward_mode = "decode"
         self.prefix_lens = []
+        self.penalty_inits = []
         self.collect_table_rewrites(cache)
         locs = cache.alloc(len(self.reqs))
         if locs is None:
@@ -154,11 +168,22 @@ class ScheduleBatch:
         for r in synced:
             r.table_sync_len = 0
 
+    def penalty_rows(self, seq_lens: list[int]) -> list[int]:
+        """Rows whose next token is penalized and kept: not a mid-prompt chunk,
+        nor a finished row computed as padding (static batching)."""
+        if not self.has_penalties:
+            return []
+        decode = self.forward_mode == "decode"
+        return [i for i, r in enumerate(self.reqs)
+                if r.penalized and not r.finished and (decode or seq_lens[i] == r.seq_len)
+                and r.penalizes_next_token()]
+
     def to_forward_batch(self) -> ForwardBatch:
+        seq_lens = self.seq_lens.tolist()
         return ForwardBatch(
             forward_mode=self.forward_mode,
             req_pool_indices=self.req_pool_indices.tolist(),
-            seq_lens=self.seq_lens.tolist(),
+            seq_lens=seq_lens,
             prefix_lens=self.prefix_lens,
             input_ids=self.input_ids.tolist(),
             out_cache_loc=self.out_cache_loc.tolist(),
@@ -171,4 +196,5 @@ class ScheduleBatch:
             return_logprob=self.return_logprob,
             top_logprobs_nums=self.top_logprobs_nums.tolist() if self.return_logprob else [],
             table_rows=self.table_rows, table_lens=self.table_lens, table_slots=self.table_slots,
+            penalty_rows=self.penalty_rows(seq_lens), penalty_inits=self.penalty_inits,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -153,6 +154,12 @@ class Scheduler:
                 or max_new < 1 or not all(0 <= t < self.model_info.vocab_size
                                           for t in req.origin_input_ids):
             return "sampling parameters or token ids out of range"
+        if not -2 <= sp.frequency_penalty <= 2 or not -2 <= sp.presence_penalty <= 2 \
+                or not 0 < sp.repetition_penalty <= 2 or not 0 <= sp.min_new_tokens <= max_new \
+                or not all(0 <= t < self.model_info.vocab_size and math.isfinite(b)
+                           for t, b in sp.logit_bias.items()) \
+                or (sp.stream_interval is not None and sp.stream_interval < 1):
+            return "penalties, logit_bias, min_new_tokens or stream_interval out of range"
         if n + max_new > self.context_len:
             return (f"prompt ({n} tokens) plus max_new_tokens ({max_new}) exceeds the context "
                     f"length ({self.context_len})")
@@ -514,6 +521,7 @@ class Scheduler:
         requests."""
         finished = req.finished and req.finished_reason["type"] != "abort"
         self.cache.release(req, cache=finished and not retracting)
+        req.penalty_state_sent = False  # its next row gets its state rebuilt at its extend
         if not retracting:
             self.reqs_by_rid.pop(req.rid, None)
 
@@ -532,7 +540,8 @@ class Scheduler:
                 if not req.stream or pending == 0:
                     continue
                 # the first token goes at once; later ones every stream_interval
-                if req.sent_len > 0 and pending < self.args.stream_interval:
+                interval = req.sampling_params.stream_interval or self.args.stream_interval
+                if req.sent_len > 0 and pending < interval:
                     continue
             out.rids.append(req.rid)
             out.new_token_ids.append(req.output_ids[req.sent_len:])

@@ -15,6 +15,13 @@ By default the next token is a pure function of the row's last input token
 (tests compute expected outputs from it); `content_dependent=True` makes it a
 function of the whole chain instead, so a run that reused a wrong prefix
 produces different tokens from a run without any cache.
+
+Penalties: it keeps each row's penalty history as the model process does
+(the output ids of the row's `PenaltyInit`, plus every token it samples for
+the row while the row is in `penalty_rows`), and a penalized row's next token
+depends on that history (`penalized_next_token`): a history that misses a
+token (after a retraction, under the overlap schedule) or counts one the
+request never got (a mid-prompt chunk) changes the output.
 """
 
 from __future__ import annotations
@@ -43,6 +50,22 @@ def next_token(last: int, eos_one_in: int = 0) -> int:
     return nxt if nxt != EOS else 5
 
 
+def penalized_next_token(last: int, history: list[int]) -> int:
+    """A penalized row's next token: a function of its last token and of the
+    output ids the model holds for it."""
+    nxt = (last * 7 + 3 + 11 * len(history) + 5 * sum(history)) % VOCAB
+    return nxt if nxt != EOS else 5
+
+
+def penalized_expected(prompt_last: int, n: int) -> list[int]:
+    out: list[int] = []
+    last = prompt_last
+    for _ in range(n):
+        last = penalized_next_token(last, out)
+        out.append(last)
+    return out
+
+
 def chain(prev: int, token: int) -> int:
     return (prev * 1_000_003 + token + 1) % _MOD
 
@@ -54,6 +77,7 @@ class FakeModel:
         self.content_dependent = content_dependent
         self.batches: list[ForwardBatch] = []
         self.last_sampled: dict[int, int] = {}  # req_pool_idx -> token sampled last
+        self.penalty_history: dict[int, list[int]] = {}  # req_pool_idx -> output ids held for it
         self.table = torch.zeros(max_rows + 1, context_len, dtype=torch.int64)
         self.slot_pos = torch.full((max_total_tokens + 1,), -1, dtype=torch.int64)
         self.slot_prev = torch.zeros(max_total_tokens + 1, dtype=torch.int64)
@@ -81,8 +105,11 @@ class FakeModel:
         assert min(input_ids) >= 0, "FUTURE_TOKEN outside a decode batch"
         for row, p in zip(rows, prefixes):
             self._check_prefix(row, p)
+        for init in batch.penalty_inits:
+            self.penalty_history[rows[init.row]] = list(init.output_ids)
+        penalized = set(batch.penalty_rows)
         out, start = [], 0
-        for row, p, n in zip(rows, prefixes, counts):
+        for pos, (row, p, n) in enumerate(zip(rows, prefixes, counts)):
             h = int(self.slot_hash[self.table[row, p - 1]]) if p else 0
             for i in range(n):
                 slot, token = batch.out_cache_loc[start + i], input_ids[start + i]
@@ -92,7 +119,12 @@ class FakeModel:
                 self.slot_hash[slot] = h
             start += n
             last = input_ids[start - 1]
-            out.append(next_token(h % VOCAB if self.content_dependent else last, self.eos_one_in))
+            if pos in penalized:
+                history = self.penalty_history[row]
+                out.append(penalized_next_token(last, history))
+                history.append(out[-1])
+            else:
+                out.append(next_token(h % VOCAB if self.content_dependent else last, self.eos_one_in))
         self.last_sampled.update(zip(rows, out))
         return ForwardResult(next_token_ids=out)
 
