@@ -113,7 +113,7 @@ class CacheManager:
         computed by a step already sent) in the tree, so that requests coming
         later can share them, and move its lock there: after its prefill, and
         between the chunks of a chunked prefill."""
-        if self.tree is None or n <= req.cache_len:
+        if self.tree is None or not req.req_pool_idx or n <= req.cache_len:
             return
         row = self.table[req.req_pool_idx]
         had = self._insert_own(req, req.fill_ids[:n], row[:n].long())
