@@ -11,6 +11,10 @@ from typing import Any, Union
 import msgspec
 
 
+# |logit_bias| above this cannot change a choice any more, and keeps logits finite in float32
+MAX_LOGIT_BIAS = 1e9
+
+
 class SamplingParams(msgspec.Struct):
     max_new_tokens: int = 128
     temperature: float = 1.0  # below 1e-6 means greedy

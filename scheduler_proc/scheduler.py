@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.messages import (AbortReq, BatchTokenOut, ForwardResult, ModelInfo,
+import torch
+
+from common.messages import (MAX_LOGIT_BIAS, AbortReq, BatchTokenOut, ForwardResult, ModelInfo,
                              SchedulerQuery, SchedulerReply, TokenizedGenerateReq, ToSchedulerMsg,
                              ToTokenizerMsg)
 from common.server_args import ServerArgs
@@ -17,6 +18,7 @@ from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.model_client import LocalModel, ModelClient, as_model_client
 from scheduler_proc.policy import order_waiting_queue
 from scheduler_proc.prefill_adder import PrefillAdder
+from scheduler_proc.radix_cache import RadixCache
 from scheduler_proc.req import Req
 from scheduler_proc.schedule_batch import ScheduleBatch
 from scheduler_proc.timeline import Timeline
@@ -31,6 +33,9 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20
+# a waiting request that shares at least this many uncached tokens with one
+# admitted to the prefill being built waits for the next (SGLang's threshold)
+IN_BATCH_PREFIX_MIN = 32
 QUEUE_FULL_STATUS = 503
 BAD_REQUEST_STATUS = 400  # refused at admission: the request can never run here
 
@@ -156,7 +161,7 @@ class Scheduler:
             return "sampling parameters or token ids out of range"
         if not -2 <= sp.frequency_penalty <= 2 or not -2 <= sp.presence_penalty <= 2 \
                 or not 0 < sp.repetition_penalty <= 2 or not 0 <= sp.min_new_tokens <= max_new \
-                or not all(0 <= t < self.model_info.vocab_size and math.isfinite(b)
+                or not all(0 <= t < self.model_info.vocab_size and abs(b) <= MAX_LOGIT_BIAS
                            for t, b in sp.logit_bias.items()) \
                 or (sp.stream_interval is not None and sp.stream_interval < 1):
             return "penalties, logit_bias, min_new_tokens or stream_interval out of range"
@@ -255,9 +260,6 @@ class Scheduler:
         held = pool.num_rows - pool.available()
         leaving = held - len(running) - (1 if self.chunked_req is not None
                                          and self.chunked_req.req_pool_idx else 0)
-        if self.chunked_req is not None:
-            # its chunks so far go into the tree before the next one is sent
-            self.cache.cache_unfinished(self.chunked_req, self.chunked_req.kv_len)
         adder = PrefillAdder.for_step(
             max_running=self.args.max_running_requests - leaving, running=running,
             free_slots=self.cache.available(),
@@ -271,23 +273,39 @@ class Scheduler:
                 return None
         self.waiting_queue = order_waiting_queue(self.waiting_queue, self.args.schedule_policy,
                                                  self.cache.cached_len if self.cache.tree else None)
-        admitted = 0
+        # what this batch computes, as a tree of its own: a request that would
+        # compute the same prefix again waits one batch and then takes it from
+        # the cache (SGLang's in-batch prefix check, for every policy here)
+        in_batch = RadixCache(lambda slots: None) if self.cache.tree is not None else None
+        if in_batch is not None and self.chunked_req is not None:
+            self._computed_in_batch(in_batch, self.chunked_req)
+        admitted: set[int] = set()
         for req in self.waiting_queue:
             match = self.cache.match(req)
-            if not adder.try_add(req, prefix_len=match.length if match else 0,
+            cached = match.length if match else 0
+            if in_batch is not None and cached + IN_BATCH_PREFIX_MIN <= in_batch.match_prefix(
+                    req.fill_ids[:req.seq_len - 1], req.cache_salt).length:
+                continue
+            if not adder.try_add(req, prefix_len=cached,
                                  newly_protected=self.cache.newly_protected(match)):
                 break
             self.cache.admit(req, match)  # its row, and its prefix locked in the tree
-            admitted += 1
+            admitted.add(id(req))
+            if in_batch is not None:
+                self._computed_in_batch(in_batch, req)
         if not adder.can_run:
             return None
-        for _ in range(admitted):
-            self.waiting_queue.popleft()
+        self.waiting_queue = deque(r for r in self.waiting_queue if id(r) not in admitted)
         continuing = self.chunked_req
         if continuing is not None and adder.new_chunked_req is None:
             logger.debug("chunked prefill of %s: last chunk", continuing.rid)
         self.chunked_req = adder.new_chunked_req
         return self.start_prefill(adder.can_run, len(running), continuing)
+
+    @staticmethod
+    def _computed_in_batch(in_batch: RadixCache, req: Req) -> None:
+        n = req.kv_len + req.extend_input_len
+        in_batch.insert(req.fill_ids[:n], torch.zeros(n, dtype=torch.int64), req.cache_salt)
 
     def start_prefill(self, reqs: list[Req], num_running: int,
                       continuing: Req | None = None) -> ScheduleBatch:
@@ -309,6 +327,14 @@ class Scheduler:
                                   or r.seq_len - r.kv_len, cached_tokens=hit)
         batch = ScheduleBatch.init_new(reqs)
         batch.prepare_for_extend(self.cache)
+        for r in reqs:
+            # What this prefill computes goes into the prefix cache now, as it is
+            # sent, not when its result is read: a later step that reads these
+            # slots runs after this one (the model runs steps in order), and a
+            # request arriving meanwhile, or in the next chunk's batch, shares it
+            # (SGLang inserts after the result; with the overlap schedule that
+            # is a step too late for the next batch).
+            self.cache.cache_unfinished(r, r.kv_len)
         logger.info(
             "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
             "#running-req: %d, #queue-req: %d",
@@ -488,10 +514,6 @@ class Scheduler:
                 continue
             self.total_row_steps += 1
             self.useful_row_steps += 1
-            if step.forward_mode == "extend" and not static:
-                # the prompt is computed: later requests may share it now (SGLang
-                # does the same), not only once this one finishes
-                self.cache.cache_unfinished(req, req.seq_len)
             req.output_ids.append(token)
             if not req.first_token_time:
                 req.first_token_time = time.time()

@@ -53,7 +53,7 @@ class Generation:
             sampling_params=spec.sampling_params,
             # Rows as they come when stop strings are to be matched here, so a
             # match can end the request early even when the client does not stream.
-            stream=self.stream or bool(spec.stop),
+            stream=self.stream or spec.matches_text,
             arrival_time=time.time(),
             return_logprob=spec.return_logprob,
             top_logprobs_num=spec.top_logprobs_num if spec.return_logprob else 0,
@@ -77,8 +77,10 @@ class Generation:
             changed = [k for k, out in enumerate(self.outputs) if out.update()]
             for k in changed:
                 out = self.outputs[k]
-                if out.stopped_here:  # free its KV now; the scheduler records a stop
-                    self.manager.abort(out.state, stop_matched=out.finish_reason["matched"])
+                # finished here: free its KV now; the scheduler records a stop
+                # (a stop string or regex) or an abort (a stop regex that timed out)
+                if out.stopped_here:
+                    self.manager.abort(out.state, stop_matched=out.finish_reason.get("matched"))
             if changed:
                 yield changed
 

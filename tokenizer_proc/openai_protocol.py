@@ -2,10 +2,13 @@
 
 Lenient where OpenAI clients are noisy (unknown fields such as `user` or
 `metadata` are ignored, as SGLang and vLLM do), strict where a setting would
-change the answer: a feature we do not implement (penalties, tools, echo, ...)
-is refused with a 400 rather than silently ignored. A few SGLang extras are
-accepted too (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`,
-`skip_special_tokens`), which the `openai` client sends through `extra_body`.
+change the answer: a feature we do not implement (tools, echo, structured
+output, ...) is refused with a 400 that names the field and why, rather than
+silently ignored. The field list is `sglang_fields.OPENAI_FIELDS`; SGLang's
+(and vLLM's) extras are taken too (`top_k`, `min_p`, `min_tokens`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `stop_regex`,
+`no_stop_trim`, `skip_special_tokens`), which the `openai` client sends
+through `extra_body`.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ from common.messages import ModelInfo, SamplingParams
 from tokenizer_proc.errors import BadRequestError
 from tokenizer_proc.protocol import MAX_N, MAX_OUTPUTS, check_fits_context, check_prompt_ids, validate_sampling_params
 from tokenizer_proc.request_spec import RequestSpec, fan_out_rids, seed_for_sample
+from tokenizer_proc.sglang_fields import OPENAI_FIELDS, check_fields
 from tokenizer_proc.tokenizer import Tokenizer
-from tokenizer_proc.validation import (check_bool, check_cache_salt, check_int, check_int_list, check_number,
-                                       check_range, check_stop, is_int, optional)
+from tokenizer_proc.validation import (cache_namespace, check_bool, check_cache_salt, check_int, check_int_list,
+                                       check_logit_bias, check_number, check_range, check_stop, check_stop_regex,
+                                       is_int, optional)
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
 
 
 @dataclass
@@ -37,31 +43,15 @@ class OpenAIInput:
     top_logprobs: int
 
 
-# Fields we cannot honour: allowed only at their no-op value.
 def _refuse_unless_default(body: dict[str, Any]) -> None:
-    def bad(field: str) -> BadRequestError:
-        return BadRequestError(f"{field} is not supported by this server")
-
-    for field in ("frequency_penalty", "presence_penalty"):
-        v = body.get(field)
-        if v is not None and check_number(field, v) != 0:
-            raise bad(field)
-    for field in ("logit_bias", "tools", "functions", "suffix"):
-        if body.get(field):
-            raise bad(field)
-    if body.get("echo"):
-        raise bad("echo")
-    if body.get("tool_choice") not in (None, "none"):
-        raise bad("tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad("response_format")
-    best_of = body.get("best_of")
-    if best_of is not None and best_of not in (1, body.get("n", 1)):
-        raise bad("best_of")
+    """A field we cannot honour set to anything but its no-op value is a 400
+    naming it and why (unknown fields are ignored)."""
+    if body.get("best_of") is not None and body.get("best_of") == body.get("n", 1):
+        body = {k: v for k, v in body.items() if k != "best_of"}  # best_of == n: n samples, all returned
+    check_fields(body, OPENAI_FIELDS, strict=False)
 
 
-def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
+def _sampling(body: dict[str, Any], max_tokens: int, vocab_size: int) -> SamplingParams:
     temperature = optional(body, "temperature", check_number, 1.0)
     check_range("temperature", temperature, 0.0, 2.0)
     sp = SamplingParams(
@@ -74,8 +64,14 @@ def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
         ignore_eos=optional(body, "ignore_eos", check_bool, False),
         skip_special_tokens=optional(body, "skip_special_tokens", check_bool, True),
         seed=optional(body, "seed", check_int, None),
+        frequency_penalty=optional(body, "frequency_penalty", check_number, 0.0),
+        presence_penalty=optional(body, "presence_penalty", check_number, 0.0),
+        repetition_penalty=optional(body, "repetition_penalty", check_number, 1.0),
+        min_new_tokens=optional(body, "min_tokens", check_int, 0),
+        logit_bias=optional(body, "logit_bias", lambda k, v: check_logit_bias(k, v, MAX_LOGIT_BIAS), {}),
     )
-    validate_sampling_params(sp)
+    validate_sampling_params(sp, vocab_size=vocab_size,
+                             names={"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens"})
     return sp
 
 
@@ -105,7 +101,10 @@ def _build(body: dict[str, Any], prompts: list[list[int]], info: ModelInfo, pref
     if len(prompts) * n > MAX_OUTPUTS:
         raise BadRequestError(f"at most {MAX_OUTPUTS} choices per request (prompts x n)")
     stop = optional(body, "stop", check_stop, [])
-    cache_salt = optional(body, "cache_salt", check_cache_salt, "")
+    stop_regex = optional(body, "stop_regex", check_stop_regex, [])
+    no_stop_trim = optional(body, "no_stop_trim", check_bool, False)
+    cache_salt = cache_namespace(optional(body, "cache_salt", check_cache_salt, ""),
+                                 optional(body, "extra_key", check_cache_salt, ""))
     # Any model name is accepted: this server serves one model, and answers with its name.
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise BadRequestError("model must be a string")
@@ -118,11 +117,12 @@ def _build(body: dict[str, Any], prompts: list[list[int]], info: ModelInfo, pref
         limit = min(info.context_len, info.max_total_tokens) - len(ids)
         max_tokens = _max_tokens(body, default_max_tokens if default_max_tokens else max(limit, 1))
         check_fits_context(len(ids), max_tokens, info.context_len, "max_tokens")
-        sp = _sampling(body, max_tokens)
+        sp = _sampling(body, max_tokens, info.vocab_size)
         for k in range(n):
             sample = SamplingParams(**{f: getattr(sp, f) for f in sp.__struct_fields__})
             sample.seed = seed_for_sample(sp.seed, k)
             specs.append(RequestSpec(rid=next(rids), input_ids=ids, sampling_params=sample, stop=stop,
+                                     stop_regex=stop_regex, no_stop_trim=no_stop_trim,
                                      return_logprob=logprobs, top_logprobs_num=top_logprobs,
                                      group=request_id if len(prompts) * n > 1 else None,
                                      cache_salt=cache_salt))
@@ -179,7 +179,8 @@ def _message_text(content: Any, k: int) -> str:
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequestError(f"messages[{k}].content: only text parts are supported")
+                raise BadRequestError(f"messages[{k}].content: only text parts are supported "
+                                      "(this server serves text models)")
             texts.append(part["text"])
         return "".join(texts)
     raise BadRequestError(f"messages[{k}].content must be a string or a list of text parts")
@@ -201,10 +202,13 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
 
 def parse_chat_request(body: dict[str, Any], tokenizer: Tokenizer, info: ModelInfo) -> OpenAIInput:
     messages = chat_messages(body.get("messages"))
-    try:
-        ids = tokenizer.apply_chat_template(messages)
-    except Exception as e:  # the template's own checks (role order, ...) are client errors
-        raise BadRequestError(f"cannot apply the chat template: {e}") from None
+    if body.get("input_ids") is not None:  # SGLang's: the prompt's ids, instead of the template
+        ids = check_int_list("input_ids", body["input_ids"])
+    else:
+        try:
+            ids = tokenizer.apply_chat_template(messages)
+        except Exception as e:  # the template's own checks (role order, ...) are client errors
+            raise BadRequestError(f"cannot apply the chat template: {e}") from None
     check_prompt_ids(ids, info.vocab_size)
     logprobs = optional(body, "logprobs", check_bool, False)
     top = optional(body, "top_logprobs", check_int, 0)

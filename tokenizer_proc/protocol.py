@@ -13,14 +13,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.messages import SamplingParams
+from common.messages import MAX_LOGIT_BIAS, SamplingParams
 from tokenizer_proc.errors import BadRequestError
 from tokenizer_proc.request_spec import RequestSpec, fan_out_rids, seed_for_sample
+from tokenizer_proc.sglang_fields import GENERATE_FIELDS, SAMPLING_FIELDS, check_fields
 from tokenizer_proc.tokenizer import Tokenizer
-from tokenizer_proc.validation import (check_bool, check_cache_salt, check_int, check_int_list, check_number,
-                                       check_stop, is_int, optional, parse_json_object)
+from tokenizer_proc.validation import (cache_namespace, check_bool, check_cache_salt, check_int, check_int_list,
+                                       check_logit_bias, check_number, check_stop, check_stop_regex, is_int,
+                                       optional, parse_json_object)
 
-__all__ = ["BadRequestError", "GenerateInput", "parse_generate_request", "parse_json_object",
+__all__ = ["BadRequestError", "GenerateInput", "SamplingInput", "parse_generate_request", "parse_json_object",
            "parse_sampling_params", "check_prompt_ids", "check_fits_context"]
 
 MAX_N = 128  # samples of one prompt
@@ -41,7 +43,8 @@ class GenerateInput:
     return_text_in_logprobs: bool
 
 
-_SAMPLING_FIELDS: dict[str, Callable[[str, Any], Any]] = {
+# sampling_params fields that go to the scheduler, and their type checks
+_SAMPLING_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "max_new_tokens": check_int,
     "temperature": check_number,
     "top_p": check_number,
@@ -51,34 +54,62 @@ _SAMPLING_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "ignore_eos": check_bool,
     "skip_special_tokens": check_bool,
     "seed": check_int,
+    "frequency_penalty": check_number,
+    "presence_penalty": check_number,
+    "repetition_penalty": check_number,
+    "min_new_tokens": check_int,
+    "logit_bias": lambda k, v: check_logit_bias(k, v, MAX_LOGIT_BIAS),
+    "stream_interval": check_int,
 }
-# Handled here rather than by the scheduler, so not part of SamplingParams.
-_LOCAL_SAMPLING_FIELDS = ("stop", "n")
-
-_TOP_LEVEL_FIELDS = {"text", "input_ids", "sampling_params", "stream", "rid", "return_logprob",
-                     "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs", "cache_salt"}
 
 
-def parse_sampling_params(obj: Any) -> SamplingParams:
+@dataclass
+class SamplingInput:
+    """One `sampling_params` object: what goes to the scheduler, and what is
+    handled here (stop strings and regexes are matched on the text; n fans out)."""
+
+    params: SamplingParams
+    stop: list[str]
+    stop_regex: list[str]
+    no_stop_trim: bool
+    n: int
+
+
+def parse_sampling_params(obj: Any, vocab_size: int | None = None) -> SamplingInput:
     if obj is None:
         obj = {}
     if not isinstance(obj, dict):
         raise BadRequestError("sampling_params must be a JSON object")
-    obj = {k: v for k, v in obj.items() if k not in _LOCAL_SAMPLING_FIELDS}
-    unknown = sorted(set(obj) - set(_SAMPLING_FIELDS))
-    if unknown:
-        raise BadRequestError(f"unsupported sampling_params: {', '.join(unknown)}")
+    check_fields(obj, SAMPLING_FIELDS, "sampling_params.", defined_by="SGLang's SamplingParams")
     # null means "the default", as in SGLang's Python clients.
-    kwargs = {k: _SAMPLING_FIELDS[k](f"sampling_params.{k}", v) for k, v in obj.items() if v is not None}
+    kwargs = {k: check(f"sampling_params.{k}", obj[k]) for k, check in _SAMPLING_CHECKS.items()
+              if obj.get(k) is not None}
+    seed = optional(obj, "sampling_seed", lambda k, v: check_int(f"sampling_params.{k}", v), None)
+    if seed is not None:  # SGLang's name; `seed` is this server's
+        if kwargs.get("seed", seed) != seed:
+            raise BadRequestError("sampling_params.seed and sampling_params.sampling_seed differ")
+        kwargs["seed"] = seed
     sp = SamplingParams(**kwargs)
-    validate_sampling_params(sp, "sampling_params.")
-    return sp
+    validate_sampling_params(sp, "sampling_params.", vocab_size)
+
+    def local(key: str, check: Callable[[str, Any], Any], default: Any) -> Any:
+        return optional(obj, key, lambda k, v: check(f"sampling_params.{k}", v), default)
+    n = local("n", check_int, 1)
+    if not 1 <= n <= MAX_N:
+        raise BadRequestError(f"sampling_params.n must be in [1, {MAX_N}]")
+    return SamplingInput(params=sp, stop=local("stop", check_stop, []),
+                         stop_regex=local("stop_regex", check_stop_regex, []),
+                         no_stop_trim=local("no_stop_trim", check_bool, False), n=n)
 
 
-def validate_sampling_params(sp: SamplingParams, prefix: str = "") -> None:
-    """Range checks; `prefix` names the fields as the client spelled them."""
+def validate_sampling_params(sp: SamplingParams, prefix: str = "", vocab_size: int | None = None,
+                             names: dict[str, str] | None = None) -> None:
+    """Range checks; `prefix` and `names` name the fields as the client spelled them."""
+    def name(field: str) -> str:
+        return prefix + (names or {}).get(field, field)
+
     if sp.max_new_tokens < 1:
-        raise BadRequestError(f"{prefix}max_new_tokens must be >= 1")
+        raise BadRequestError(f"{name('max_new_tokens')} must be >= 1")
     if sp.temperature < 0:
         raise BadRequestError(f"{prefix}temperature must be >= 0")
     if not 0 < sp.top_p <= 1:
@@ -93,6 +124,19 @@ def validate_sampling_params(sp: SamplingParams, prefix: str = "") -> None:
         raise BadRequestError(f"{prefix}min_p must be in [0, 1]")
     if any(not 0 <= i <= MAX_TOKEN_ID for i in sp.stop_token_ids):
         raise BadRequestError(f"{prefix}stop_token_ids must be in [0, {MAX_TOKEN_ID}]")
+    for field in ("frequency_penalty", "presence_penalty"):
+        if not -2 <= getattr(sp, field) <= 2:
+            raise BadRequestError(f"{prefix}{field} must be in [-2, 2]")
+    if not 0 < sp.repetition_penalty <= 2:
+        raise BadRequestError(f"{prefix}repetition_penalty must be in (0, 2] (1 is no penalty)")
+    if not 0 <= sp.min_new_tokens <= sp.max_new_tokens:
+        max_name = (names or {}).get("max_new_tokens", "max_new_tokens")
+        raise BadRequestError(f"{name('min_new_tokens')} must be in [0, {max_name}] "
+                              f"(here [0, {sp.max_new_tokens}])")
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in sp.logit_bias):
+        raise BadRequestError(f"{prefix}logit_bias: token ids must be in [0, {vocab_size})")
+    if sp.stream_interval is not None and sp.stream_interval < 1:
+        raise BadRequestError(f"{prefix}stream_interval must be >= 1")
 
 
 def check_prompt_ids(ids: list[int], vocab_size: int) -> list[int]:
@@ -155,45 +199,51 @@ def _client_rids(rid: Any, n_prompts: int, batched: bool) -> list[str]:
 def parse_generate_request(
     body: dict[str, Any], tokenizer: Tokenizer, context_len: int, vocab_size: int
 ) -> GenerateInput:
-    unknown = sorted(set(body) - _TOP_LEVEL_FIELDS)
-    if unknown:
-        raise BadRequestError(f"unsupported fields: {', '.join(unknown)}")
+    check_fields(body, GENERATE_FIELDS, defined_by="SGLang's GenerateReqInput")
     stream = optional(body, "stream", check_bool, False)
     return_logprob = optional(body, "return_logprob", check_bool, False)
     top_n = optional(body, "top_logprobs_num", check_int, 0)
     if not 0 <= top_n <= min(MAX_TOP_LOGPROBS, vocab_size):
         raise BadRequestError(f"top_logprobs_num must be in [0, {min(MAX_TOP_LOGPROBS, vocab_size)}]")
-    start_len = body.get("logprob_start_len")
-    if start_len is not None and not (is_int(start_len) and start_len == -1):
-        raise BadRequestError("logprob_start_len: input logprobs are not supported (use -1 or omit it)")
     text_in_logprobs = optional(body, "return_text_in_logprobs", check_bool, False)
-    cache_salt = optional(body, "cache_salt", check_cache_salt, "")
-
-    sp = parse_sampling_params(body.get("sampling_params"))
-    raw_sp = body.get("sampling_params") or {}
-    stop = optional(raw_sp, "stop", lambda k, v: check_stop(f"sampling_params.{k}", v), [])
-    n = optional(raw_sp, "n", lambda k, v: check_int(f"sampling_params.{k}", v), 1)
-    if not 1 <= n <= MAX_N:
-        raise BadRequestError(f"sampling_params.n must be in [1, {MAX_N}]")
+    cache_salt = cache_namespace(optional(body, "cache_salt", check_cache_salt, ""),
+                                 optional(body, "extra_key", check_cache_salt, ""))
 
     prompts, batched = _prompts(body, tokenizer, vocab_size)
-    for ids in prompts:
-        check_fits_context(len(ids), sp.max_new_tokens, context_len)
+    sampling = _sampling_per_prompt(body.get("sampling_params"), len(prompts), vocab_size)
+    n = sampling[0].n
+    for ids, s in zip(prompts, sampling):
+        check_fits_context(len(ids), s.params.max_new_tokens, context_len)
     if len(prompts) * n > MAX_OUTPUTS:
         raise BadRequestError(f"at most {MAX_OUTPUTS} outputs per request (prompts x n)")
     batched = batched or n > 1
     bases = _client_rids(body.get("rid"), len(prompts), batched)
 
     specs = []
-    for ids, base in zip(prompts, bases):
+    for ids, base, s in zip(prompts, bases, sampling):
+        sp = s.params
         for k, rid in enumerate(fan_out_rids(base, n)):
             specs.append(RequestSpec(
                 rid=rid, input_ids=ids,
                 sampling_params=SamplingParams(**{**_fields(sp), "seed": seed_for_sample(sp.seed, k)}),
-                stop=stop, return_logprob=return_logprob, top_logprobs_num=top_n,
+                stop=s.stop, stop_regex=s.stop_regex, no_stop_trim=s.no_stop_trim,
+                return_logprob=return_logprob, top_logprobs_num=top_n,
                 group=base if n > 1 else None, cache_salt=cache_salt))
     return GenerateInput(specs=specs, stream=stream, batched=batched,
                          return_text_in_logprobs=text_in_logprobs)
+
+
+def _sampling_per_prompt(obj: Any, n_prompts: int, vocab_size: int) -> list[SamplingInput]:
+    """One sampling_params object for every prompt, or a list with one per
+    prompt (SGLang's batch form); n must be the same in all."""
+    if not isinstance(obj, list):
+        return [parse_sampling_params(obj, vocab_size)] * n_prompts
+    if len(obj) != n_prompts:
+        raise BadRequestError(f"sampling_params: a list must have one object per prompt ({n_prompts})")
+    out = [parse_sampling_params(o, vocab_size) for o in obj]
+    if len({s.n for s in out}) > 1:
+        raise BadRequestError("sampling_params: n must be the same for every prompt")
+    return out
 
 
 def _fields(sp: SamplingParams) -> dict[str, Any]:

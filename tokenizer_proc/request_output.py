@@ -6,9 +6,11 @@ output ids and logprobs aligned with what it shows. It is driven by the HTTP
 handler (`update()` after each wake-up), so a failure here fails that one
 request and nothing else.
 
-When a stop string matches, the output is finished here, before the scheduler
-knows; the caller then aborts the scheduler request (to free its KV) and the
-scheduler's later abort row is never read.
+When a stop string (or stop regex) matches, the output is finished here,
+before the scheduler knows; the caller then aborts the scheduler request (to
+free its KV) and the scheduler's later abort row is never read. With
+`no_stop_trim` the matched stop string, or the text of a matched stop token,
+stays in the text (SGLang's).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from tokenizer_proc.detokenizer import IncrementalDetokenizer
 from tokenizer_proc.manager import ReqState
 from tokenizer_proc.request_spec import RequestSpec
-from tokenizer_proc.stop_strings import StopStringMatcher
+from tokenizer_proc.stop_strings import StopRegexTimeout, StopStringMatcher
 from tokenizer_proc.tokenizer import Tokenizer
 
 
@@ -35,14 +37,15 @@ class RequestOutput:
         self.state = state
         self.spec = spec
         self.detok = IncrementalDetokenizer(tokenizer, spec.sampling_params.skip_special_tokens)
-        self.matcher = StopStringMatcher(spec.stop) if spec.stop else None
+        self.matcher = StopStringMatcher(spec.stop, spec.stop_regex, keep=spec.no_stop_trim) \
+            if spec.matches_text else None
         self.fed = 0  # state.output_ids consumed so far
         self.ids: list[int] = []  # output ids shown (cut after the token that completed a stop string)
         self.text = ""  # text shown: detokenized, stop string and anything after it removed
         self.token_logprobs: list[float] = []  # aligned with ids when asked for
         self.top_logprobs: list[list[tuple[float, int]]] = []
         self.finish_reason: dict[str, Any] | None = None
-        self.stopped_here = False  # finished by a stop string, before the scheduler knew
+        self.stopped_here = False  # finished here (a stop string), before the scheduler knew
 
     @property
     def rid(self) -> str:
@@ -53,8 +56,8 @@ class RequestOutput:
         return self.finish_reason is not None
 
     def text_ids_len(self) -> int:
-        """How many of `ids` are text: all but a matched stop token."""
-        if matched_stop_token(self.finish_reason, self.ids):
+        """How many of `ids` are text: all but a matched stop token (unless no_stop_trim)."""
+        if not self.spec.no_stop_trim and matched_stop_token(self.finish_reason, self.ids):
             return len(self.ids) - 1
         return len(self.ids)
 
@@ -68,7 +71,8 @@ class RequestOutput:
         if end == self.fed and not final:
             return False
         new = st.output_ids[self.fed:end]
-        text_new = new[:-1] if final and matched_stop_token(st.finish_reason, st.output_ids) else new
+        trim = final and not self.spec.no_stop_trim and matched_stop_token(st.finish_reason, st.output_ids)
+        text_new = new[:-1] if trim else new
         # With stop strings, one token at a time: the match must name the token
         # that completed it, so output ids and logprobs end there too.
         step = 1 if self.matcher else max(len(new), 1)
@@ -97,7 +101,12 @@ class RequestOutput:
         if self.matcher is None:
             self.text += delta
             return False
-        self.text += self.matcher.feed(delta)
+        try:
+            self.text += self.matcher.feed(delta)
+        except StopRegexTimeout as e:  # this request ends, with the reason
+            self.finish_reason = {"type": "abort", "message": str(e)}
+            self.stopped_here = True
+            return True
         if self.matcher.matched is None:
             return False
         self.finish_reason = {"type": "stop", "matched": self.matcher.matched}

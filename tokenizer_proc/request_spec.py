@@ -13,10 +13,17 @@ class RequestSpec:
     input_ids: list[int]
     sampling_params: SamplingParams
     stop: list[str] = field(default_factory=list)  # stop strings, matched here on the text
+    stop_regex: list[str] = field(default_factory=list)  # stop regexes, likewise
+    no_stop_trim: bool = False  # the matched stop string (or stop token) stays in the text
     return_logprob: bool = False
     top_logprobs_num: int = 0
     group: str | None = None  # the client request's id when it fanned out into several
     cache_salt: str = ""  # requests with different salts never share cached prefixes
+
+    @property
+    def matches_text(self) -> bool:
+        """Stop strings or regexes are matched here, on the text."""
+        return bool(self.stop or self.stop_regex)
 
 
 def fan_out_rids(base: str, count: int) -> list[str]:

@@ -3,11 +3,13 @@ parsers. Each returns the value or raises `BadRequestError` naming the field."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
 
 from tokenizer_proc.errors import BadRequestError
+from tokenizer_proc.stop_strings import compile_stop_regex
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -51,6 +53,44 @@ def check_cache_salt(name: str, v: Any) -> str:
     if not isinstance(v, str) or len(v) > MAX_CACHE_SALT_CHARS:
         raise BadRequestError(f"{name} must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
     return v
+
+
+def cache_namespace(cache_salt: str, extra_key: str) -> str:
+    """SGLang's extra_key joins cache_salt: requests that differ in either never
+    share cached prefixes."""
+    return cache_salt if not extra_key else f"{cache_salt}\x00{extra_key}"
+
+
+def check_logit_bias(name: str, v: Any, limit: float | None = None) -> dict[int, float]:
+    """A JSON object token id (a string of digits, as JSON keys are) -> a
+    finite number added to that token's logit (within +-limit if given)."""
+    if not isinstance(v, dict):
+        raise BadRequestError(f"{name} must be an object mapping token ids to numbers")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise BadRequestError(f"{name}: key {key!r} is not a token id")
+        bias = check_number(f"{name}[{key!r}]", bias)
+        if not math.isfinite(bias) or (limit is not None and not -limit <= bias <= limit):
+            bound = f"in [-{limit:g}, {limit:g}]" if limit is not None else "finite"
+            raise BadRequestError(f"{name}[{key!r}] must be {bound}")
+        out[int(key)] = bias
+    return out
+
+
+def check_stop_regex(name: str, v: Any) -> list[str]:
+    """A regular expression or a list of them, each one that can end a text."""
+    patterns = [v] if isinstance(v, str) else v
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise BadRequestError(f"{name} must be a string or a list of strings")
+    if len(patterns) > MAX_STOP_STRINGS:
+        raise BadRequestError(f"{name} may hold at most {MAX_STOP_STRINGS} patterns")
+    for p in patterns:
+        try:
+            compile_stop_regex(p)
+        except ValueError as e:
+            raise BadRequestError(f"{name}: {p!r}: {e}") from None
+    return list(dict.fromkeys(patterns))
 
 
 def check_int_list(name: str, v: Any) -> list[int]:

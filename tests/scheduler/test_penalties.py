@@ -96,6 +96,7 @@ def test_the_scheduler_refuses_penalties_out_of_range():
     h = Harness()
     for bad in ({"frequency_penalty": 2.5}, {"presence_penalty": -3.0}, {"repetition_penalty": 0.0},
                 {"min_new_tokens": 9}, {"logit_bias": {10**6: 1.0}}, {"logit_bias": {3: float("nan")}},
+                {"logit_bias": {3: 1e300}},
                 {"stream_interval": 0}):
         submit(h, "bad", 4, 5, **bad)
         reason, _ = h.finals()["bad"]

@@ -201,7 +201,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": MESSAGES, "temperature": 3}, "temperature"),
     ("/v1/chat/completions", {"messages": MESSAGES, "n": 0}, "n must"),
     ("/v1/chat/completions", {"messages": MESSAGES, "stop": [""]}, "stop"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/completions", {"model": "m"}, "prompt"),
@@ -209,7 +209,7 @@ BAD = [
     ("/v1/completions", {"prompt": 5}, "prompt"),
     ("/v1/completions", {"prompt": [10**6]}, "out of range"),
     ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, "echo is not supported"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
     ("/v1/completions", b"{bad json", "malformed"),
 ]

@@ -4,11 +4,12 @@ import random
 
 import pytest
 
-from tokenizer_proc.stop_strings import StopStringMatcher
+from tokenizer_proc.stop_strings import StopRegexTimeout, StopStringMatcher
 
 
-def run(stops: list[str], pieces: list[str]) -> tuple[list[str], str | None]:
-    m = StopStringMatcher(stops)
+def run(stops: list[str], pieces: list[str], regexes: list[str] | None = None,
+        keep: bool = False) -> tuple[list[str], str | None]:
+    m = StopStringMatcher(stops, regexes, keep=keep)
     shown = [m.feed(p) for p in pieces]
     shown.append(m.flush())
     return shown, m.matched
@@ -66,3 +67,39 @@ def test_result_does_not_depend_on_chunking(seed: int) -> None:
 def test_earliest_ending_match_wins() -> None:
     assert run(["abcd", "c"], ["xxabcd"])[1] == "c"
     assert run(["ab", "b"], ["xab"])[1] == "ab"  # same end: the longer one
+
+
+def test_no_stop_trim_keeps_the_stop_string_and_drops_what_follows() -> None:
+    shown, matched = run(["STOP"], ["hello S", "T", "OP and more"], keep=True)
+    assert "".join(shown) == "hello STOP" and matched == "STOP"
+
+
+def test_a_regex_is_held_back_while_it_could_still_match() -> None:
+    shown, matched = run([], ["call 55", "5-12", "34 now"], regexes=[r"\d{3}-\d{4}"])
+    assert shown == ["call ", "", "", ""] and matched == r"\d{3}-\d{4}"
+    shown, matched = run([], ["call 55", "5-1x", " ok"], regexes=[r"\d{3}-\d{4}"])
+    assert "".join(shown) == "call 555-1x ok" and matched is None
+    assert shown[1] == "555-1x"  # released as soon as it could no longer match
+    shown, matched = run([], ["id: 555-1234!"], regexes=[r"\d{3}-\d{4}"], keep=True)
+    assert "".join(shown) == "id: 555-1234" and matched == r"\d{3}-\d{4}"
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_regex_result_does_not_depend_on_chunking(seed: int) -> None:
+    rng = random.Random(seed)
+    alphabet = "ab1 "
+    regexes = [rng.choice([r"a\db", r"b+1", r"1 ?a", r"\d\d", r"ba[ab]"]) for _ in range(rng.randint(1, 2))]
+    stops = [rng.choice(["aa", "b b", "11a"])] if rng.random() < 0.5 else []
+    text = "".join(rng.choice(alphabet) for _ in range(40))
+    whole, matched = run(stops, [text], regexes)
+    expect = "".join(whole)
+    for _ in range(5):
+        shown, m2 = run(stops, random_split(text, rng), regexes)
+        assert "".join(shown) == expect and m2 == matched
+    assert text.startswith(expect)
+
+
+def test_a_regex_that_takes_too_long_raises_instead_of_stalling() -> None:
+    m = StopStringMatcher([], [r"(.*a){20}b"])
+    with pytest.raises(StopRegexTimeout, match="took more than"):
+        m.feed("a" * 300)
