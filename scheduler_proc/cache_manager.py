@@ -111,8 +111,10 @@ class CacheManager:
     def cache_unfinished(self, req: Req, n: int) -> None:
         """Put a running request's first n tokens (their KV computed, or being
         computed by a step already sent) in the tree, so that requests coming
-        later can share them, and move its lock there: after its prefill, and
-        between the chunks of a chunked prefill."""
+        later share them, and move its lock there: each prefill (or chunk) as
+        it is sent. Tokens another request put there first were computed
+        twice: this request's copies are freed and its row points at the
+        tree's, here and, with its next step, in the model process."""
         if self.tree is None or not req.req_pool_idx or n <= req.cache_len:
             return
         row = self.table[req.req_pool_idx]

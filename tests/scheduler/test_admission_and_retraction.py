@@ -43,7 +43,7 @@ def test_admission_counts_ignore_eos_requests_at_ratio_one():
     h = Harness(max_running=4, max_total_tokens=100)
     h.submit("a", n_prompt=10, max_new=61, ignore_eos=True)
     h.sched.step()
-    h.submit("b", n_prompt=10, max_new=30)  # needs 10 + 21 = 31 > 100 - 11 - 60 = 29
+    h.submit("bb", n_prompt=10, max_new=30)  # needs 10 + 21 = 31 > 100 - 11 - 60 = 29 (own prompt)
     batch = h.sched.step()
     assert batch.forward_mode == "decode" and [r.rid for r in batch.reqs] == ["a"]
     h.run_until_idle()

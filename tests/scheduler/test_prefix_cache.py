@@ -299,3 +299,22 @@ def test_n_requests_of_one_prompt_compute_it_once_when_they_arrive_apart(policy)
     h.run_until_idle()
     assert all(h.field(f"n{i}", "cached_tokens") == 64 for i in range(4))
     assert_no_leak(h.sched)
+
+
+@MODES
+def test_requests_arriving_together_compute_a_shared_prefix_once(overlap):
+    """Two requests with the same system prompt arrive at once: the second
+    waits one batch and takes the prompt from the cache instead of computing
+    it in the same batch; a request that shares nothing is not held back."""
+    h = CacheHarness(disable_overlap_schedule=not overlap)
+    h.submit("a", SYSTEM + [1, 2], max_new=3)
+    h.submit("b", SYSTEM + [3, 4], max_new=3)
+    h.submit("c", list(range(600, 640)), max_new=3)
+    first = h.step()
+    assert [r.rid for r in first.reqs] == ["a", "c"]
+    second = h.step()
+    assert second.forward_mode == "extend" and [r.rid for r in second.reqs] == ["b"]
+    assert second.prefix_lens == [64]
+    h.run_until_idle()
+    assert h.field("b", "cached_tokens") == 64
+    assert_no_leak(h.sched)
