@@ -13,25 +13,29 @@ import torch
 class TokenSlotAllocator:
     """Free list of KV slot indices 1..size; slot 0 is the dummy target for padding.
 
-    Alloc and free are tensor slices and concatenations, never per-token loops.
-    """
+    A stack in one preallocated tensor: alloc takes the top n, free pushes
+    back, each a slice copy costing the slots moved, never the pool."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.free_slots = torch.arange(1, size + 1, dtype=torch.int64)
+        self.stack = torch.arange(1, size + 1, dtype=torch.int64)
+        self.num_free = size
 
     def available(self) -> int:
-        return int(self.free_slots.numel())
+        return self.num_free
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        if n > self.free_slots.numel():
+        if n > self.num_free:
             return None
-        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
-        return out
+        self.num_free -= n
+        return self.stack[self.num_free:self.num_free + n].clone()  # frees overwrite the stack
 
     def free(self, slots: torch.Tensor) -> None:
-        if slots.numel():
-            self.free_slots = torch.cat([self.free_slots, slots.to(torch.int64)])
+        k = slots.numel()
+        if k:
+            assert self.num_free + k <= self.size, "more slots freed than the pool holds"
+            self.stack[self.num_free:self.num_free + k] = slots.to(torch.int64)
+            self.num_free += k
 
 
 class ReqToTokenPool:

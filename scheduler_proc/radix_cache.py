@@ -9,7 +9,7 @@ Slots in the tree are either protected (some running request holds a lock on
 a node at or below them) or evictable (no lock): eviction frees unlocked
 leaves, least recently used first, and a parent left childless and unlocked
 becomes a leaf in turn. The tree only keeps accounts; freeing a slot is the
-caller's (`free_slots`), so one class (KVCache) owns the slot lifecycle.
+caller's (`free_slots`), so one class (CacheManager) owns the slot lifecycle.
 
 Requests with different `cache_salt` never share a node: each salt has a
 root of its own.
