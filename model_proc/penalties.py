@@ -11,10 +11,17 @@ it samples for the row. A retracted request is re-extended, so its state is
 rebuilt the same way, in whatever row it gets.
 
 Per step only the rows listed in `ForwardBatch.penalty_rows` are touched, and
-a batch without any costs nothing. The dense tensors ([rows, vocab]) are
-allocated the first time a request uses penalties.
+a batch without any costs nothing. The state is kept in the form the logits
+need, as SGLang's penalizers do: per row and token an additive term
+(frequency * count + presence * (count > 0) - bias) and a repetition scale
+(the penalty where the token was seen, else 1), updated in place for the one
+token each row samples, so a step costs a gather and a few element-wise
+passes over the penalized rows' logits; the repetition and min_new_tokens
+passes are skipped when no penalized row of the step needs them. The dense
+tensors ([rows, vocab]) are allocated the first time a request uses
+penalties.
 
-Formulas (`apply_penalties`, in this order):
+Formulas (`penalty_terms` and `apply_penalties`, in this order):
 - repetition (HF/CTRL): a token seen in the prompt or the output has its
   logit divided by the penalty if positive, multiplied by it if not;
 - frequency and presence (OpenAI): logit -= count * frequency
@@ -22,6 +29,7 @@ Formulas (`apply_penalties`, in this order):
 - logit_bias: logit += bias;
 - min_new_tokens: the row's stop tokens (EOS unless ignore_eos, and its
   stop_token_ids) get -inf while fewer than min_new_tokens were generated.
+A parameter at its neutral value leaves the logits bit-identical.
 """
 
 from __future__ import annotations
@@ -31,19 +39,24 @@ import torch
 from common.messages import ForwardBatch, PenaltyInit
 
 
-def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
-                    frequency: torch.Tensor, presence: torch.Tensor, repetition: torch.Tensor,
-                    bias: torch.Tensor, stop_masked: torch.Tensor) -> torch.Tensor:
-    """logits [P, V] float32 -> penalized logits. counts [P, V] (output token
-    counts), seen [P, V] bool (in prompt or output), per-row parameters [P],
-    bias [P, V], stop_masked [P, V] bool (tokens to forbid). A parameter at its
-    neutral value leaves the logits bit-identical."""
-    rep = repetition[:, None]
-    x = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    counts = counts.to(x.dtype)
-    x = x - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(x.dtype)
-    x = x + bias
-    return x.masked_fill(stop_masked, float("-inf"))
+def penalty_terms(counts: torch.Tensor, seen: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+                  repetition: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and token, from their definitions: (repetition scale, additive
+    term). counts [P, V] (output token counts), seen [P, V] bool (in prompt or
+    output), per-row parameters [P], bias [P, V]."""
+    scale = torch.where(seen, repetition[:, None], torch.ones((), dtype=torch.float32, device=seen.device))
+    c = counts.to(torch.float32)
+    return scale, frequency[:, None] * c + presence[:, None] * (c > 0).to(torch.float32) - bias
+
+
+def apply_penalties(logits: torch.Tensor, scale: torch.Tensor | None, additive: torch.Tensor,
+                    stop_masked: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [P, V] float32 (a copy: it may be written in place) -> penalized
+    logits. scale None: no row uses a repetition penalty; stop_masked [P, V]
+    bool: the tokens to forbid, None: none."""
+    x = logits if scale is None else torch.where(logits > 0, logits / scale, logits * scale)
+    x.sub_(additive)
+    return x if stop_masked is None else x.masked_fill_(stop_masked, float("-inf"))
 
 
 class PenaltyState:
@@ -52,17 +65,20 @@ class PenaltyState:
         self.vocab_size = vocab_size
         self.device = device
         self.allocated = False
+        # host copies, so a step knows without a device sync which passes it needs
+        self.uses_repetition = [False] * num_rows
+        self.min_new_host = [0] * num_rows
 
     def _allocate(self) -> None:
         r, v, dev = self.num_rows, self.vocab_size, self.device
         self.counts = torch.zeros(r, v, dtype=torch.int32, device=dev)  # output tokens
-        self.seen = torch.zeros(r, v, dtype=torch.bool, device=dev)  # prompt or output tokens
         self.bias = torch.zeros(r, v, dtype=torch.float32, device=dev)
+        self.scale = torch.ones(r, v, dtype=torch.float32, device=dev)  # repetition where seen, else 1
+        self.additive = torch.zeros(r, v, dtype=torch.float32, device=dev)  # subtracted from the logits
         self.stop_mask = torch.zeros(r, v, dtype=torch.bool, device=dev)
         self.frequency = torch.zeros(r, dtype=torch.float32, device=dev)
         self.presence = torch.zeros(r, dtype=torch.float32, device=dev)
         self.repetition = torch.ones(r, dtype=torch.float32, device=dev)
-        self.min_new_tokens = torch.zeros(r, dtype=torch.int64, device=dev)
         self.allocated = True
 
     @property
@@ -70,8 +86,8 @@ class PenaltyState:
         if not self.allocated:
             return 0
         return sum(t.numel() * t.element_size() for t in (
-            self.counts, self.seen, self.bias, self.stop_mask, self.frequency, self.presence,
-            self.repetition, self.min_new_tokens))
+            self.counts, self.bias, self.scale, self.additive, self.stop_mask, self.frequency,
+            self.presence, self.repetition))
 
     def init_rows(self, batch: ForwardBatch) -> None:
         """Rebuild the state of the rows in batch.penalty_inits (before the step samples)."""
@@ -84,9 +100,9 @@ class PenaltyState:
         dev = self.device
         out = torch.tensor(init.output_ids, dtype=torch.int64, device=dev)
         self.counts[row] = torch.bincount(out, minlength=self.vocab_size).to(torch.int32)
-        self.seen[row] = self.counts[row] > 0
+        seen = self.counts[row] > 0
         if init.prompt_ids:
-            self.seen[row, torch.tensor(init.prompt_ids, dtype=torch.int64, device=dev)] = True
+            seen[torch.tensor(init.prompt_ids, dtype=torch.int64, device=dev)] = True
         self.bias[row] = 0.0
         if init.logit_bias:
             ids = torch.tensor(list(init.logit_bias), dtype=torch.int64, device=dev)
@@ -99,29 +115,38 @@ class PenaltyState:
         self.frequency[row] = init.frequency_penalty
         self.presence[row] = init.presence_penalty
         self.repetition[row] = init.repetition_penalty
-        self.min_new_tokens[row] = init.min_new_tokens
-
-    def _rows(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.tensor(batch.penalty_rows, dtype=torch.int64, device=self.device)
-        rows = torch.tensor([batch.req_pool_indices[i] for i in batch.penalty_rows], dtype=torch.int64,
-                            device=self.device)
-        return pos, rows
+        scale, additive = penalty_terms(self.counts[row:row + 1], seen[None], self.frequency[row:row + 1],
+                                        self.presence[row:row + 1], self.repetition[row:row + 1],
+                                        self.bias[row:row + 1])
+        self.scale[row], self.additive[row] = scale[0], additive[0]
+        self.uses_repetition[row] = init.repetition_penalty != 1.0
+        self.min_new_host[row] = init.min_new_tokens if stops else 0
 
     def apply(self, logits: torch.Tensor, batch: ForwardBatch) -> None:
         """Penalize, in place, the logits [B, V] of the rows in batch.penalty_rows."""
-        pos, rows = self._rows(batch)
-        steps = torch.tensor([batch.sample_steps[i] for i in batch.penalty_rows], dtype=torch.int64,
-                             device=self.device)
-        early = steps < self.min_new_tokens[rows]  # the token being sampled is number steps + 1
-        logits[pos] = apply_penalties(
-            logits[pos], self.counts[rows], self.seen[rows], self.frequency[rows],
-            self.presence[rows], self.repetition[rows], self.bias[rows],
-            self.stop_mask[rows] & early[:, None])
+        rows_host = [batch.req_pool_indices[i] for i in batch.penalty_rows]
+        pos = torch.tensor(batch.penalty_rows, dtype=torch.int64, device=self.device)
+        rows = torch.tensor(rows_host, dtype=torch.int64, device=self.device)
+        scale = self.scale[rows] if any(self.uses_repetition[r] for r in rows_host) else None
+        # the token being sampled is number sample_steps + 1
+        early = [batch.sample_steps[i] < self.min_new_host[r] for i, r in zip(batch.penalty_rows, rows_host)]
+        stop_masked = None
+        if any(early):
+            stop_masked = self.stop_mask[rows] & torch.tensor(early, device=self.device)[:, None]
+        logits[pos] = apply_penalties(logits[pos], scale, self.additive[rows], stop_masked)
 
     def update(self, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
-        """Count the tokens just sampled for the rows in batch.penalty_rows (a
-        row appears once in a batch, so the scatter has no duplicates)."""
-        pos, rows = self._rows(batch)
+        """Count the tokens just sampled for the rows in batch.penalty_rows, and
+        bring their terms up to date (a row appears once in a batch, so the
+        scatters have no duplicates)."""
+        pos = torch.tensor(batch.penalty_rows, dtype=torch.int64, device=self.device)
+        rows = torch.tensor([batch.req_pool_indices[i] for i in batch.penalty_rows], dtype=torch.int64,
+                            device=self.device)
         ids = next_ids[pos]
-        self.counts[rows, ids] += 1
-        self.seen[rows, ids] = True
+        c = self.counts[rows, ids] + 1
+        self.counts[rows, ids] = c
+        # the same expression as penalty_terms for a count c > 0, so the result is bit-identical
+        self.additive[rows, ids] = self.frequency[rows] * c.to(torch.float32) \
+            + self.presence[rows] * torch.ones((), dtype=torch.float32, device=self.device) \
+            - self.bias[rows, ids]
+        self.scale[rows, ids] = self.repetition[rows]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from common.messages import ForwardBatch, PenaltyInit
-from model_proc.penalties import PenaltyState, apply_penalties
+from model_proc.penalties import PenaltyState, apply_penalties, penalty_terms
 from tests.helpers import RunnerDriver
 
 V = 64
@@ -24,9 +24,9 @@ def penalize(logits: torch.Tensor, prompt: list[list[int]], output: list[list[in
     seen = torch.zeros(n, V, dtype=torch.bool)
     for i, (p, o) in enumerate(zip(prompt, output)):
         seen[i, p + o] = True
-    return apply_penalties(logits.clone(), counts, seen, torch.full((n,), frequency),
-                           torch.full((n,), presence), torch.full((n,), repetition),
-                           torch.zeros(n, V) if bias is None else bias, torch.zeros(n, V, dtype=torch.bool))
+    scale, additive = penalty_terms(counts, seen, torch.full((n,), frequency), torch.full((n,), presence),
+                                    torch.full((n,), repetition), torch.zeros(n, V) if bias is None else bias)
+    return apply_penalties(logits.clone(), scale, additive)
 
 
 def test_repetition_penalty_equals_transformers_processor():
@@ -93,23 +93,34 @@ def test_state_is_built_from_the_init_and_counts_each_sampled_token():
     state = PenaltyState(num_rows=5, vocab_size=V, device=torch.device("cpu"))
     assert not state.allocated and state.nbytes == 0
     # row 3 (batch position 1) comes back after a retraction with 3 tokens generated
-    batch = _batch([2, 3], [0, 3], [1], [_init(1, output_ids=[7, 7, 9], prompt_ids=[1, 2],
-                                                 frequency_penalty=1.0, repetition_penalty=1.5)])
+    init = _init(1, output_ids=[7, 7, 9], prompt_ids=[1, 2], frequency_penalty=1.0, presence_penalty=0.3,
+                 repetition_penalty=1.5, logit_bias={9: 0.7, 12: -2.0})
+    batch = _batch([2, 3], [0, 3], [1], [init])
     state.init_rows(batch)
     assert state.counts[3, 7] == 2 and state.counts[3, 9] == 1 and int(state.counts[3].sum()) == 3
-    assert state.seen[3].nonzero().flatten().tolist() == [1, 2, 7, 9]
+    assert (state.scale[3] != 1).nonzero().flatten().tolist() == [1, 2, 7, 9]  # the tokens seen
     logits = random_logits(2, seed=4)
     before = logits.clone()
     state.apply(logits, batch)
     assert torch.equal(logits[0], before[0])  # row 2 has no penalties: untouched
-    assert torch.equal(logits[1:], penalize(before[1:], [[1, 2]], [[7, 7, 9]], frequency=1.0,
-                                            repetition=1.5))
-    state.update(batch, torch.tensor([5, 9]))
-    assert state.counts[3, 9] == 2 and state.counts[2].sum() == 0  # row 2 is not counted
+    bias = torch.zeros(1, V)
+    bias[0, 9], bias[0, 12] = 0.7, -2.0
+    assert torch.equal(logits[1:], penalize(before[1:], [[1, 2]], [[7, 7, 9]], frequency=1.0, presence=0.3,
+                                            repetition=1.5, bias=bias))
+    # each sampled token updates the terms in place, bit for bit as recomputing them would
+    output = [7, 7, 9]
+    for token in (5, 9, 5, 33):
+        state.update(batch, torch.tensor([0, token]))
+        output.append(token)
+        logits = before.clone()
+        state.apply(logits, batch)
+        assert torch.equal(logits[1:], penalize(before[1:], [[1, 2]], [output], frequency=1.0, presence=0.3,
+                                                repetition=1.5, bias=bias))
+    assert state.counts[3, 5] == 2 and state.counts[2].sum() == 0  # row 2 is not counted
     # a new request in row 3 starts from its own init, nothing of the old one left
     state.init_rows(_batch([3], [0], [0], [_init(0, logit_bias={4: 1.0})]))
-    assert state.counts[3].sum() == 0 and not state.seen[3].any() and state.frequency[3] == 0
-    assert state.bias[3].nonzero().flatten().tolist() == [4]
+    assert state.counts[3].sum() == 0 and (state.scale[3] == 1).all() and state.frequency[3] == 0
+    assert state.additive[3].nonzero().flatten().tolist() == [4]
 
 
 def test_min_new_tokens_masks_stop_ids_until_reached():
@@ -166,15 +177,14 @@ def test_runner_penalizes_only_its_rows_and_other_rows_are_bit_identical(tiny_ll
     penal = _run(make_runner(tiny_llama_dir), [init], [0])
     # step 0: same forward, so row 1 is bit-identical and row 0 is the reference applied to it
     assert torch.equal(penal[0][1], plain[0][1])
-    bias = torch.zeros(1, plain[0].shape[1])
-    bias[0, 17] = 3.0
     v = plain[0].shape[1]
-    counts = torch.zeros(1, v, dtype=torch.int64)
+    bias = torch.zeros(1, v)
+    bias[0, 17] = 3.0
     seen = torch.zeros(1, v, dtype=torch.bool)
     seen[0, PROMPTS[0]] = True
-    ref = apply_penalties(plain[0][:1].clone(), counts, seen, torch.tensor([0.7]), torch.tensor([0.4]),
-                          torch.tensor([1.3]), bias, torch.zeros(1, v, dtype=torch.bool))
-    assert torch.equal(penal[0][:1], ref)
+    scale, additive = penalty_terms(torch.zeros(1, v, dtype=torch.int32), seen, torch.tensor([0.7]),
+                                    torch.tensor([0.4]), torch.tensor([1.3]), bias)
+    assert torch.equal(penal[0][:1], apply_penalties(plain[0][:1].clone(), scale, additive))
     # later steps: row 1 never changes (its own tokens are the same greedy ones)
     for a, b in zip(plain, penal):
         assert torch.equal(a[1], b[1])

@@ -1,7 +1,9 @@
 """What the scheduler sends for penalties, driven by the fake model: a row's
 state is built from the request's tokens at its first extend since admission
 (so also after a retraction, and whatever the prefix cache served), and its
-token counts follow every kept token, with the overlap schedule on and off."""
+token counts follow every kept token, with the overlap schedule on and off.
+Also the other per-request sampling setting the scheduler honours:
+stream_interval."""
 
 from __future__ import annotations
 
@@ -102,3 +104,16 @@ def test_the_scheduler_refuses_penalties_out_of_range():
         reason, _ = h.finals()["bad"]
         assert reason["type"] == "abort" and reason["status_code"] == 400, bad
         h.outputs.clear()
+
+
+@MODES
+def test_a_request_may_set_its_own_stream_interval(overlap):
+    h = Harness(disable_overlap_schedule=not overlap)  # --stream-interval 1
+    sp = SamplingParams(max_new_tokens=7, temperature=0.0, stream_interval=3)
+    h.sched.process_input_requests([TokenizedGenerateReq(rid="s", input_ids=prompt("s", 4), sampling_params=sp,
+                                                         stream=True)])
+    h.submit("t", n_prompt=4, max_new=3, stream=True)
+    h.run_until_idle()
+    sizes = {rid: [len(ts) for m in h.outputs for r, ts in zip(m.rids, m.new_token_ids) if r == rid]
+             for rid in ("s", "t")}
+    assert sizes == {"s": [1, 3, 3], "t": [1, 1, 1]}  # the first token at once, then every 3
