@@ -135,8 +135,8 @@ def validate_sampling_params(sp: SamplingParams, prefix: str = "", vocab_size: i
                               f"(here [0, {sp.max_new_tokens}])")
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in sp.logit_bias):
         raise BadRequestError(f"{prefix}logit_bias: token ids must be in [0, {vocab_size})")
-    if sp.stream_interval is not None and sp.stream_interval < 1:
-        raise BadRequestError(f"{prefix}stream_interval must be >= 1")
+    if sp.stream_interval is not None and not 1 <= sp.stream_interval <= MAX_TOKEN_ID:
+        raise BadRequestError(f"{prefix}stream_interval must be in [1, {MAX_TOKEN_ID}]")
 
 
 def check_prompt_ids(ids: list[int], vocab_size: int) -> list[int]:

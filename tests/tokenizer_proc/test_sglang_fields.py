@@ -194,6 +194,11 @@ def test_openai_extras_reach_the_scheduler(server: Server) -> None:
     ("/generate", {"text": "hi", "sampling_params": {"logit_bias": [1]}}, "logit_bias must be an object"),
     ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"3": 1e300}}}, "must be in [-1e+09, 1e+09]"),
     ("/generate", {"text": "hi", "sampling_params": {"stream_interval": 0}}, "stream_interval"),
+    # integers beyond int64 are 400s, not a failure to encode the request for the scheduler
+    ("/generate", {"text": "hi", "sampling_params": {"stream_interval": 2**64}}, "stream_interval"),
+    ("/generate", {"text": "hi", "sampling_params": {"min_new_tokens": 2**64}}, "min_new_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {str(10**30): 1}}}, "logit_bias: token ids"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 2**64}, "min_tokens"),
     ("/generate", {"text": "hi", "sampling_params": {"seed": 1, "sampling_seed": 2}}, "differ"),
     ("/generate", {"text": "hi", "sampling_params": {"stop_regex": "("}}, "not a valid regular expression"),
     ("/generate", {"text": "hi", "sampling_params": {"stop_regex": "a*"}}, "matches the empty string"),
