@@ -125,12 +125,21 @@ def load_events(source: Any) -> list[dict[str, Any]]:
 
 def fetch_timeline(base_url: str, since: float = 0.0, api_key: str = "", timeout: float = 30.0
                    ) -> dict[str, Any]:
-    """GET /timeline?since=<unix time>: {"now", "seq" (events ever recorded), "events"}."""
-    req = urllib.request.Request(f"{base_url.rstrip('/')}/timeline?since={since!r}")
-    if api_key:
-        req.add_header("Authorization", f"Bearer {api_key}")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.load(resp)
+    """GET /timeline?since=<unix time>, page after page (the server answers a
+    bounded number of events a call): {"now", "seq" (events ever recorded),
+    "events"}."""
+    events: list[dict[str, Any]] = []
+    after_seq = 0
+    while True:
+        req = urllib.request.Request(f"{base_url.rstrip('/')}/timeline?since={since!r}&after_seq={after_seq}")
+        if api_key:
+            req.add_header("Authorization", f"Bearer {api_key}")
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            page = json.load(resp)
+        events += page["events"]
+        after_seq = page["next_seq"]
+        if not page["more"]:
+            return {**page, "events": events}
 
 
 def compact(events: list[dict[str, Any]]) -> dict[str, Any]:

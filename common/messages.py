@@ -77,6 +77,8 @@ class SchedulerQuery(msgspec.Struct, tag=True):
     query_id: str
     kind: str
     since: float = 0.0  # kind "timeline": events after this time.time()
+    after_seq: int = 0  # kind "timeline": events after this sequence number (a cursor)
+    limit: int = 0  # kind "timeline": at most this many events (0: the scheduler's bound)
 
 
 # ---- scheduler_proc -> tokenizer_proc -------------------------------------------------

@@ -21,7 +21,7 @@ from scheduler_proc.prefill_adder import PrefillAdder
 from scheduler_proc.radix_cache import RadixCache
 from scheduler_proc.req import Req
 from scheduler_proc.schedule_batch import ScheduleBatch
-from scheduler_proc.timeline import Timeline
+from scheduler_proc.timeline import MAX_EVENTS_PER_CALL, Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class Scheduler:
         if query.kind == "timeline":
             return SchedulerReply(query_id=query.query_id, ok=True, data={
                 "now": time.time(), "seq": self.timeline.seq,
-                "events": self.timeline.since(query.since)})
+                **self.timeline_page(query)})
         if query.kind == "flush_cache":
             # Like SGLang, refused while requests are live: their prefixes are locked.
             if not self.is_idle():
@@ -124,6 +124,12 @@ class Scheduler:
             return SchedulerReply(query_id=query.query_id, ok=True, message="Cache flushed.")
         return SchedulerReply(query_id=query.query_id, ok=False,
                               message=f"unknown query kind {query.kind!r}")
+
+    def timeline_page(self, query: SchedulerQuery) -> dict[str, Any]:
+        limit = min(query.limit, MAX_EVENTS_PER_CALL) if query.limit > 0 else MAX_EVENTS_PER_CALL
+        events, more = self.timeline.since(query.since, query.after_seq, limit)
+        return {"events": events, "more": more,
+                "next_seq": events[-1]["seq"] if events else max(query.after_seq, 0)}
 
     def handle_generate_request(self, msg: TokenizedGenerateReq) -> None:
         req = Req.from_message(msg, self.model_info.eos_token_ids)

@@ -1,6 +1,7 @@
 """A bounded record of what the scheduler did: per-request events and per-step stats.
 
-Served at GET /timeline?since=<t> and drawn by /dashboard and bench/timeline_plot.py.
+Served at GET /timeline?since=<t>&after_seq=<n> and drawn by /dashboard and
+bench/timeline_plot.py.
 The ring buffer drops the oldest events beyond its bound, so memory stays flat
 under any load; recording is one small dict per event.
 """
@@ -12,6 +13,7 @@ from collections import deque
 from typing import Any
 
 DEFAULT_CAPACITY = 50_000  # events kept (~100 bytes each in msgpack)
+MAX_EVENTS_PER_CALL = 5_000  # one answer stays small; a reader continues from next_seq
 
 # Request events, in the order a request can go through them.
 REQ_EVENTS = ("arrived", "admitted", "chunk", "first_token", "retracted", "readmitted", "finished")
@@ -37,12 +39,15 @@ class Timeline:
                    "batch_size": batch_size, "tokens": tokens, "kv_usage": kv_usage,
                    "step_time": step_time})
 
-    def since(self, t: float, limit: int = 20_000) -> list[dict[str, Any]]:
-        """Events newer than `t` (the oldest first), at most `limit` of them."""
-        out: list[dict[str, Any]] = []
+    def since(self, t: float = 0.0, after_seq: int = 0,
+              limit: int = MAX_EVENTS_PER_CALL) -> tuple[list[dict[str, Any]], bool]:
+        """The oldest `limit` events newer than time `t` and after sequence number
+        `after_seq`, and whether more follow them (ask again after the last
+        one's `seq`)."""
+        newer: list[dict[str, Any]] = []
         for event in reversed(self.events):
-            if event["t"] <= t or len(out) >= limit:
+            if event["t"] <= t or event["seq"] <= after_seq:
                 break
-            out.append(event)
-        out.reverse()
-        return out
+            newer.append(event)
+        newer.reverse()
+        return newer[:limit], len(newer) > limit

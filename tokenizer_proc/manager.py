@@ -158,15 +158,16 @@ class TokenizerManager:
             state.event.set()
         self.states.clear()
 
-    async def query_scheduler(self, kind: str, timeout: float = 5.0,
-                              since: float = 0.0) -> SchedulerReply:
+    async def query_scheduler(self, kind: str, timeout: float = 5.0, since: float = 0.0,
+                              after_seq: int = 0, limit: int = 0) -> SchedulerReply:
         """Ask the scheduler; raises asyncio.TimeoutError if it does not answer."""
         query_id = uuid.uuid4().hex
         future: asyncio.Future[SchedulerReply] = asyncio.get_running_loop().create_future()
         self.queries[query_id] = future
         try:
             try:
-                self.to_scheduler.send(SchedulerQuery(query_id=query_id, kind=kind, since=since), block=False)
+                self.to_scheduler.send(SchedulerQuery(query_id=query_id, kind=kind, since=since,
+                                                      after_seq=after_seq, limit=limit), block=False)
             except zmq.Again:
                 raise asyncio.TimeoutError("the scheduler is not taking messages") from None
             return await asyncio.wait_for(future, timeout)

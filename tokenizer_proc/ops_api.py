@@ -102,16 +102,25 @@ DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
 
 
 async def timeline(request: web.Request) -> web.Response:
-    """The scheduler's recent events, newer than ?since=<unix time> (default: all kept)."""
+    """The scheduler's recent events, oldest first: newer than ?since=<unix
+    time> and after ?after_seq=<n> (defaults: all kept), at most ?limit=<n>
+    (and the scheduler's bound) a call; `more` says a next call, from
+    `next_seq`, has more."""
     try:
         since = float(request.query.get("since", "0"))
     except ValueError:
         raise BadRequestError("since must be a number (seconds since the epoch)") from None
     if not math.isfinite(since):
         raise BadRequestError("since must be finite")
+    cursor = {}
+    for name in ("after_seq", "limit"):
+        raw = request.query.get(name, "0")
+        if not raw.isdigit() or len(raw) > 12:
+            raise BadRequestError(f"{name} must be a non-negative integer")
+        cursor[name] = int(raw)
     try:
         reply = await request.app[MANAGER].query_scheduler("timeline", SCHEDULER_QUERY_TIMEOUT,
-                                                           since=since)
+                                                           since=since, **cursor)
     except asyncio.TimeoutError:
         raise ServiceUnavailableError("the scheduler did not answer") from None
     return json_response(reply.data)

@@ -98,6 +98,22 @@ def test_a_stop_string_finish_counts_as_a_stop_in_metrics_and_timeline(server):
         == ["stop"]
 
 
+def test_timeline_answers_a_bounded_page_and_a_cursor_to_continue(server):
+    whole = requests.get(server.url + "/timeline", timeout=10).json()
+    assert len(whole["events"]) > 4 and whole["more"] is False
+    seen, after = [], 0
+    while True:  # 3 events a call
+        page = requests.get(server.url + "/timeline", params={"after_seq": after, "limit": 3},
+                            timeout=10).json()
+        assert len(page["events"]) <= 3
+        seen += page["events"]
+        after = page["next_seq"]
+        if not page["more"]:
+            break
+    first = [e["seq"] for e in whole["events"]]
+    assert [e["seq"] for e in seen][:len(first)] == first  # the same events, in order
+
+
 def test_concurrent_streaming_and_non_streaming_requests(server):
     prompts = [f"Count to {n}: 1, 2," for n in range(3, 9)]
     bodies = [{"text": p, "sampling_params": {"max_new_tokens": 6 + i, "temperature": 0,

@@ -205,7 +205,7 @@ def test_a_stop_string_matched_by_the_tokenizer_finishes_as_a_stop_not_an_abort(
     assert h.sched.cache.available() == h.sched.cache.size and not h.sched.cache.resident
     assert h.finals()["a"][0] == {"type": "stop", "matched": " the end"}
     h.run_until_idle()
-    finished = [e for e in h.sched.timeline.since(0.0) if e.get("event") == "finished"]
+    finished = [e for e in h.sched.timeline.since(0.0)[0] if e.get("event") == "finished"]
     assert [(e["rid"], e["reason"]) for e in finished] == [("a", "stop")]
     h.assert_no_leak()
 

@@ -57,8 +57,20 @@ def test_ring_buffer_drops_the_oldest_events_beyond_its_bound():
         tl.request(f"r{i}", "arrived", t=float(i))
     assert [e["rid"] for e in tl.events] == ["r7", "r8", "r9", "r10", "r11"]
     assert tl.seq == 12  # a reader can tell it missed events
-    assert [e["rid"] for e in tl.since(8.5)] == ["r9", "r10", "r11"]
-    assert [e["rid"] for e in tl.since(8.5, limit=2)] == ["r10", "r11"]
+    assert [e["rid"] for e in tl.since(8.5)[0]] == ["r9", "r10", "r11"]
+
+
+def test_a_reader_pages_through_the_timeline_with_a_cursor():
+    tl = Timeline(capacity=100)
+    for i in range(12):
+        tl.request(f"r{i}", "arrived", t=float(i))
+    page, more = tl.since(2.5, limit=4)  # the oldest first, and more to come
+    assert [e["rid"] for e in page] == ["r3", "r4", "r5", "r6"] and more
+    page, more = tl.since(2.5, after_seq=page[-1]["seq"], limit=4)
+    assert [e["rid"] for e in page] == ["r7", "r8", "r9", "r10"] and more
+    page, more = tl.since(2.5, after_seq=page[-1]["seq"], limit=4)
+    assert [e["rid"] for e in page] == ["r11"] and not more
+    assert tl.since(after_seq=tl.seq) == ([], False)
 
 
 def test_timeline_query_returns_events_since_a_time():
@@ -70,4 +82,11 @@ def test_timeline_query_returns_events_since_a_time():
     mid = h.sched.timeline.events[2]["t"]
     reply = h.sched.answer_query(SchedulerQuery(query_id="q", kind="timeline", since=mid))
     assert reply.ok and all(e["t"] > mid for e in reply.data["events"])
+    assert reply.data["more"] is False and reply.data["next_seq"] == reply.data["events"][-1]["seq"]
+    first = h.sched.answer_query(SchedulerQuery(query_id="q", kind="timeline", limit=2)).data
+    assert len(first["events"]) == 2 and first["more"]
+    rest = h.sched.answer_query(SchedulerQuery(query_id="q", kind="timeline",
+                                               after_seq=first["next_seq"])).data
+    assert [e["seq"] for e in first["events"] + rest["events"]] == \
+        [e["seq"] for e in h.sched.timeline.events]
     assert reply.data["seq"] == h.sched.timeline.seq and reply.data["now"] >= mid

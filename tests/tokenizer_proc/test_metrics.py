@@ -73,6 +73,8 @@ def test_histogram_buckets_are_cumulative() -> None:
 def test_timeline_rejects_a_bad_since_and_dashboard_is_served(server: Server) -> None:
     assert get(server, "/timeline?since=abc")[0] == 400
     assert get(server, "/timeline?since=nan")[0] == 400
+    assert get(server, "/timeline?after_seq=-1")[0] == 400
+    assert get(server, "/timeline?limit=1e9")[0] == 400
     status, ctype, raw = get(server, "/dashboard")
     assert status == 200 and ctype.startswith("text/html") and b"/timeline" in raw
     assert b"http://" not in raw and b"https://" not in raw  # works offline: nothing fetched
