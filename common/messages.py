@@ -54,6 +54,9 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     arrival_time: float = 0.0
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # with return_logprob: >= 0 asks for the logprobs of the prompt tokens from
+    # this position on (-1: none); below len(input_ids)
+    logprob_start_len: int = -1
     # requests with different salts never share cached prefixes (a shared
     # prefix cache is a timing side channel between tenants)
     cache_salt: str = ""
@@ -102,6 +105,12 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     # per row, for the new tokens of rows that asked for logprobs (else empty lists)
     output_token_logprobs: list[list[float]] = []
     output_top_logprobs: list[list[list[tuple[float, int]]]] = []  # (logprob, token id)
+    # per row, in the first message of a request that asked for prompt logprobs
+    # (logprob_start_len >= 0), else empty: one entry per prompt token from
+    # logprob_start_len on, the first None (SGLang's layout: that position's
+    # predictor is not computed)
+    input_token_logprobs: list[list[float | None]] = []
+    input_top_logprobs: list[list[list[tuple[float, int]] | None]] = []
     queue_times: list[float] = []  # seconds from arrival to the first prefill
     first_token_times: list[float] = []  # wall-clock time.time() of the first output token
 
@@ -184,6 +193,14 @@ class ForwardBatch(msgspec.Struct, tag=True):
     table_slots: list[int] = []
     penalty_rows: list[int] = []
     penalty_inits: list[PenaltyInit] = []
+    # Prompt logprobs (extend only), for the rows that asked for them: row
+    # `input_logprob_rows[j]` wants the logits of its new tokens from offset
+    # `input_logprob_starts[j]` on, one per entry of `input_logprob_targets[j]`:
+    # the token each of those positions predicts (the next prompt token, which
+    # may lie in a later chunk, so the scheduler names it).
+    input_logprob_rows: list[int] = []
+    input_logprob_starts: list[int] = []
+    input_logprob_targets: list[list[int]] = []
 
 
 class ForwardResult(msgspec.Struct, tag=True):
@@ -193,6 +210,11 @@ class ForwardResult(msgspec.Struct, tag=True):
     next_token_logprobs: list[float] = []
     top_logprob_ids: list[list[int]] = []  # per row, top_logprobs_nums[i] entries
     top_logprob_vals: list[list[float]] = []
+    # per entry of ForwardBatch.input_logprob_rows: the logprob of each target,
+    # and, when the row's top_logprobs_nums > 0, each position's top-n
+    input_token_logprobs: list[list[float]] = []
+    input_top_logprob_vals: list[list[list[float]]] = []
+    input_top_logprob_ids: list[list[list[int]]] = []
 
 
 # ---- any child -> launch.py -----------------------------------------------------------

@@ -212,8 +212,10 @@ class LlamaForCausalLM(nn.Module):
                 module.batch_invariant = deterministic
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> float32 logits [B, vocab] of each row's last token."""
+                meta: AttentionMetadata, extra_index: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> float32 logits [B, vocab] of each row's last token,
+        followed by those of the tokens at flat indices `extra_index` (prompt
+        logprobs: only the positions some row asked for pay for the head)."""
         num_tokens = input_ids.shape[0]
         if self.deterministic:
             # whole row blocks: torch's thread split of a per-token op then
@@ -227,6 +229,8 @@ class LlamaForCausalLM(nn.Module):
         # only the last token of each row is sampled: skip the rest of the
         # (vocab-sized) head for the prompt tokens of an extend
         last = x[:num_tokens] if meta.is_decode else x[meta.qo_indptr[1:] - 1]
+        if extra_index is not None and extra_index.numel():
+            last = torch.cat([last, x[extra_index]])
         return self.lm_head(rms_norm(last, self.cfg.rms_norm_eps)).float()
 
     @torch.no_grad()

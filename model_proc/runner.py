@@ -87,7 +87,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         start = time.perf_counter()
-        logits = self.compute_logits(batch)
+        bs = len(batch.req_pool_indices)
+        all_logits = self.compute_logits(batch)
+        logits, prompt_logits = all_logits[:bs], all_logits[bs:]
         if batch.penalty_inits:
             self.penalties.init_rows(batch)
         if batch.penalty_rows:  # in place; logprobs below are of the penalized logits, as SGLang's
@@ -102,6 +104,8 @@ class ModelRunner:
         result = ForwardResult(next_token_ids=next_ids.tolist())
         if batch.return_logprob:
             self._add_logprobs(result, logits, next_ids, batch.top_logprobs_nums)
+        if batch.input_logprob_rows:
+            self._add_input_logprobs(result, prompt_logits, batch)
         result.forward_time = time.perf_counter() - start
         self.step_stats.record(batch.forward_mode, len(batch.req_pool_indices), start, result.forward_time)
         return result
@@ -118,10 +122,44 @@ class ModelRunner:
             result.top_logprob_vals = [v[:n] for v, n in zip(vals_l, top_nums)]
             result.top_logprob_ids = [i[:n] for i, n in zip(ids_l, top_nums)]
 
+    def _add_input_logprobs(self, result: ForwardResult, logits: torch.Tensor, batch: ForwardBatch) -> None:
+        """`logits`: the prompt positions the rows asked for, row after row (the
+        model's extra rows). Raw logits: no penalty applies to the prompt."""
+        lens = [len(t) for t in batch.input_logprob_targets]
+        targets = torch.tensor([t for ts in batch.input_logprob_targets for t in ts], dtype=torch.int64,
+                               device=self.device)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        picked = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        tops = [batch.top_logprobs_nums[r] if batch.top_logprobs_nums else 0 for r in batch.input_logprob_rows]
+        k = max(tops, default=0)
+        if k > 0:
+            vals, ids = logprobs.topk(k, dim=-1)
+            vals_l, ids_l = vals.tolist(), ids.tolist()
+        start = 0
+        for n, top in zip(lens, tops):
+            result.input_token_logprobs.append(picked[start:start + n])
+            if k > 0:
+                result.input_top_logprob_vals.append([v[:top] for v in vals_l[start:start + n]] if top else [])
+                result.input_top_logprob_ids.append([i[:top] for i in ids_l[start:start + n]] if top else [])
+            start += n
+
+    def _input_logprob_index(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Flat token indices of the prompt positions whose logits rows asked for."""
+        if not batch.input_logprob_rows:
+            return None
+        first, offset = [], 0
+        for p, s in zip(batch.prefix_lens, batch.seq_lens):
+            first.append(offset)
+            offset += s - p
+        index = [first[r] + st + j for r, st, ts in zip(batch.input_logprob_rows, batch.input_logprob_starts,
+                                                        batch.input_logprob_targets) for j in range(len(ts))]
+        return torch.tensor(index, dtype=torch.int64, device=self.device)
+
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Store the step's slots, run the model: float32 logits [B, vocab] of
-        each row's last token."""
+        each row's last token, then those of the prompt positions asked for
+        (input_logprob_rows)."""
         self.check_batch(batch)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
         if batch.forward_mode == "decode" and FUTURE_TOKEN in batch.input_ids:
@@ -130,7 +168,7 @@ class ModelRunner:
         out_cache_loc = torch.tensor(batch.out_cache_loc, dtype=torch.int64, device=self.device)
         positions = self._update_req_to_token(batch, out_cache_loc)
         meta = self.attn_backend.init_forward_metadata(batch, out_cache_loc)
-        return self.model(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta, self._input_logprob_index(batch))
 
     def _update_req_to_token(self, batch: ForwardBatch, out_cache_loc: torch.Tensor) -> torch.Tensor:
         """req_to_token[row, prefix:seq_len] = the new slots, after the rows the
@@ -200,6 +238,19 @@ class ModelRunner:
             raise ValueError("ForwardBatch: input_ids outside the vocabulary")
         if b.penalty_rows or b.penalty_inits:
             self._check_penalties(b, bs)
+        if b.input_logprob_rows:
+            self._check_input_logprobs(b, bs)
+
+    def _check_input_logprobs(self, b: ForwardBatch, bs: int) -> None:
+        vocab = self.model_config.vocab_size
+        if b.forward_mode != "extend" or len(b.input_logprob_starts) != len(b.input_logprob_rows) \
+                or len(b.input_logprob_targets) != len(b.input_logprob_rows) \
+                or len(set(b.input_logprob_rows)) != len(b.input_logprob_rows):
+            raise ValueError("ForwardBatch: input_logprob_rows/starts/targets are inconsistent")
+        for r, st, ts in zip(b.input_logprob_rows, b.input_logprob_starts, b.input_logprob_targets):
+            if not 0 <= r < bs or st < 0 or st + len(ts) > b.seq_lens[r] - b.prefix_lens[r] \
+                    or any(not 0 <= t < vocab for t in ts):
+                raise ValueError("ForwardBatch: an input logprob entry is out of range")
 
     def _check_penalties(self, b: ForwardBatch, bs: int) -> None:
         vocab = self.model_config.vocab_size

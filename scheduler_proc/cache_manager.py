@@ -72,10 +72,12 @@ class CacheManager:
 
     def match(self, req: Req) -> PrefixMatch | None:
         """The cached prefix `req` could start from: at most all but its last
-        token, which must be computed for its logits. None without a tree."""
+        token, which must be computed for its logits, and no further than its
+        first prompt position whose logprob it still wants (Req.prefix_limit,
+        SGLang's cap at logprob_start_len). None without a tree."""
         if self.tree is None:
             return None
-        key = req.fill_ids[:req.seq_len - 1]
+        key = req.fill_ids[:req.prefix_limit]
         return self.tree.match_prefix(key, req.cache_salt)
 
     def cached_len(self, req: Req) -> int:

@@ -19,6 +19,7 @@ class Req:
     arrival_time: float = field(default_factory=time.time)
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # >= 0 (with return_logprob): prompt logprobs from there
     cache_salt: str = ""
     penalized: bool = False  # uses penalties: the model keeps state for its row (PenaltyInit)
 
@@ -44,6 +45,13 @@ class Req:
     # when return_logprob: one entry per output token
     output_token_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # prompt logprobs: position p predicts prompt token p + 1; positions
+    # logprob_start_len .. len(prompt) - 2 are computed, each exactly once, in
+    # order (chunks; a retracted request keeps them and computes only the rest)
+    input_logprob_next: int = 0  # the next position to ask the model for (set when sent)
+    input_token_logprobs: list[float] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs_sent: bool = False
 
     @classmethod
     def from_message(cls, msg: TokenizedGenerateReq, eos_token_ids: list[int]) -> "Req":
@@ -55,7 +63,22 @@ class Req:
                    stop_token_ids=frozenset(stop), stream=msg.stream,
                    arrival_time=msg.arrival_time or time.time(),
                    return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
+                   logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
+                   input_logprob_next=max(msg.logprob_start_len, 0),
                    cache_salt=msg.cache_salt, penalized=sp.penalized())
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Some prompt position's logprob is still to be computed."""
+        return self.logprob_start_len >= 0 and self.input_logprob_next < len(self.origin_input_ids) - 1
+
+    @property
+    def prefix_limit(self) -> int:
+        """How many leading tokens may come from the prefix cache: all but the
+        last (computed for its logits), and none past the first prompt position
+        whose logprob is still wanted (a cached token is never recomputed)."""
+        n = self.seq_len - 1
+        return min(n, self.input_logprob_next) if self.wants_input_logprobs else n
 
     def penalty_init(self, row: int) -> PenaltyInit:
         """What the model needs to (re)build this request's penalty state, as

@@ -48,6 +48,10 @@ class ScheduleBatch:
     table_lens: list[int] = field(default_factory=list)
     table_slots: list[int] = field(default_factory=list)
     penalty_inits: list[PenaltyInit] = field(default_factory=list)
+    # prompt logprobs this extend computes (see ForwardBatch)
+    input_logprob_rows: list[int] = field(default_factory=list)
+    input_logprob_starts: list[int] = field(default_factory=list)
+    input_logprob_targets: list[list[int]] = field(default_factory=list)
 
     @classmethod
     def init_new(cls, reqs: list[Req]) -> "ScheduleBatch":
@@ -127,6 +131,7 @@ class ScheduleBatch:
             if r.penalized and not r.penalty_state_sent:
                 self.penalty_inits.append(r.penalty_init(i))
                 r.penalty_state_sent = True
+        self.collect_input_logprobs(extend_lens)
         self.req_pool_indices = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
         self.seq_lens = torch.tensor([p + n for p, n in zip(self.prefix_lens, extend_lens)],
                                      dtype=torch.int64)
@@ -139,12 +144,30 @@ class ScheduleBatch:
             # read (an abort, with overlap) frees these slots too
             r.kv_len = p + n
 
+    def collect_input_logprobs(self, extend_lens: list[int]) -> None:
+        """The prompt positions this extend computes whose logprobs rows still
+        want: each asked for once (input_logprob_next moves past them now)."""
+        self.input_logprob_rows, self.input_logprob_starts, self.input_logprob_targets = [], [], []
+        for i, (r, p, n) in enumerate(zip(self.reqs, self.prefix_lens, extend_lens)):
+            if not r.wants_input_logprobs:
+                continue
+            # the prefix cache match stops at input_logprob_next (Req.prefix_limit)
+            assert p <= r.input_logprob_next, "a wanted prompt position was taken from the cache"
+            lo, hi = r.input_logprob_next, min(p + n, len(r.origin_input_ids) - 1)
+            if lo >= hi:
+                continue
+            self.input_logprob_rows.append(i)
+            self.input_logprob_starts.append(lo - p)
+            self.input_logprob_targets.append(r.origin_input_ids[lo + 1:hi + 1])
+            r.input_logprob_next = hi
+
     def prepare_for_decode(self, cache: CacheManager) -> None:
         """One new token per row: the row's last sampled token, at position seq_len.
         A token still in flight (overlap) goes as FUTURE_TOKEN: the model has it."""
         self.forward_mode = "decode"
         self.prefix_lens = []
         self.penalty_inits = []
+        self.input_logprob_rows, self.input_logprob_starts, self.input_logprob_targets = [], [], []
         self.collect_table_rewrites(cache)
         locs = cache.alloc(len(self.reqs))
         if locs is None:
@@ -197,4 +220,6 @@ class ScheduleBatch:
             top_logprobs_nums=self.top_logprobs_nums.tolist() if self.return_logprob else [],
             table_rows=self.table_rows, table_lens=self.table_lens, table_slots=self.table_slots,
             penalty_rows=self.penalty_rows(seq_lens), penalty_inits=self.penalty_inits,
+            input_logprob_rows=self.input_logprob_rows, input_logprob_starts=self.input_logprob_starts,
+            input_logprob_targets=self.input_logprob_targets,
         )

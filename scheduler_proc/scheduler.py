@@ -50,6 +50,7 @@ class LaunchedStep:
     produces: list[bool]  # per row: the step samples a token for it (not a mid-prompt chunk)
     num_tokens: int
     launch_time: float
+    input_logprob_rows: list[int]  # rows whose prompt logprobs the result carries, in its order
 
 
 class Scheduler:
@@ -171,6 +172,8 @@ class Scheduler:
                            for t, b in sp.logit_bias.items()) \
                 or (sp.stream_interval is not None and sp.stream_interval < 1):
             return "penalties, logit_bias, min_new_tokens or stream_interval out of range"
+        if not -1 <= req.logprob_start_len < n:
+            return f"logprob_start_len ({req.logprob_start_len}) must be -1 or below the prompt length ({n})"
         if n + max_new > self.context_len:
             return (f"prompt ({n} tokens) plus max_new_tokens ({max_new}) exceeds the context "
                     f"length ({self.context_len})")
@@ -290,7 +293,7 @@ class Scheduler:
             match = self.cache.match(req)
             cached = match.length if match else 0
             if in_batch is not None and cached + IN_BATCH_PREFIX_MIN <= in_batch.match_prefix(
-                    req.fill_ids[:req.seq_len - 1], req.cache_salt).length:
+                    req.fill_ids[:req.prefix_limit], req.cache_salt).length:
                 continue
             if not adder.try_add(req, prefix_len=cached,
                                  newly_protected=self.cache.newly_protected(match)):
@@ -486,7 +489,8 @@ class Scheduler:
             r.pending_tokens += p
         self.model.send(fb)
         self.inflight.append(LaunchedStep(batch.forward_mode, list(batch.reqs), produces,
-                                          len(fb.out_cache_loc), time.perf_counter()))
+                                          len(fb.out_cache_loc), time.perf_counter(),
+                                          fb.input_logprob_rows))
 
     def resolve_oldest(self) -> None:
         step = self.inflight.popleft()
@@ -507,6 +511,13 @@ class Scheduler:
 
     def process_batch_result(self, step: LaunchedStep, result: ForwardResult) -> None:
         static = self.args.batching != "continuous"
+        for j, row in enumerate(step.input_logprob_rows):
+            req = step.reqs[row]
+            req.input_token_logprobs.extend(result.input_token_logprobs[j])
+            if req.top_logprobs_num:
+                req.input_top_logprobs.extend(
+                    list(zip(v, i)) for v, i in zip(result.input_top_logprob_vals[j],
+                                                    result.input_top_logprob_ids[j]))
         for i, (req, produces, token) in enumerate(zip(step.reqs, step.produces,
                                                        result.next_token_ids)):
             if not produces:  # a chunk of a longer prompt: no token yet
@@ -580,6 +591,7 @@ class Scheduler:
             out.num_retractions.append(req.num_retractions)
             out.output_token_logprobs.append(req.output_token_logprobs[req.sent_len:])
             out.output_top_logprobs.append(req.output_top_logprobs[req.sent_len:])
+            self.add_input_logprobs(out, req)
             out.queue_times.append(req.queue_time)
             out.first_token_times.append(req.first_token_time)
             req.sent_len = len(req.output_ids)
@@ -589,6 +601,18 @@ class Scheduler:
                                       completion_tokens=len(req.output_ids))
         if out.rids:
             self.send_output(out)
+
+    @staticmethod
+    def add_input_logprobs(out: BatchTokenOut, req: Req) -> None:
+        """A request's prompt logprobs go in its first message, in SGLang's
+        layout: one entry per prompt token from logprob_start_len, the first None."""
+        if req.logprob_start_len < 0 or req.input_logprobs_sent:
+            out.input_token_logprobs.append([])
+            out.input_top_logprobs.append([])
+            return
+        out.input_token_logprobs.append([None, *req.input_token_logprobs])
+        out.input_top_logprobs.append([None, *req.input_top_logprobs] if req.top_logprobs_num else [])
+        req.input_logprobs_sent = True
 
     # ---- loop ---------------------------------------------------------------------------
 
