@@ -57,6 +57,7 @@ class Generation:
             arrival_time=time.time(),
             return_logprob=spec.return_logprob,
             top_logprobs_num=spec.top_logprobs_num if spec.return_logprob else 0,
+            logprob_start_len=spec.logprob_start_len if spec.return_logprob else -1,
             cache_salt=spec.cache_salt,
         )
         try:

@@ -31,14 +31,15 @@ class TokenTexts:
 # ---- SGLang native: meta_info.output_token_logprobs / output_top_logprobs ------------------
 
 
-def native_token_logprobs(ids: list[int], lps: list[float], texts: TokenTexts | None) -> list[list[Any]]:
-    """[[logprob, token_id, text_or_null], ...]"""
+def native_token_logprobs(ids: list[int], lps: list[float | None], texts: TokenTexts | None) -> list[list[Any]]:
+    """[[logprob, token_id, text_or_null], ...] (a prompt's first logprob is null)"""
     return [[lp, i, texts(i) if texts else None] for lp, i in zip(lps, ids)]
 
 
-def native_top_logprobs(tops: list[list[tuple[float, int]]], texts: TokenTexts | None) -> list[list[list[Any]]]:
-    """Per position: [[logprob, token_id, text_or_null], ...]"""
-    return [[[lp, i, texts(i) if texts else None] for lp, i in pos] for pos in tops]
+def native_top_logprobs(tops: list[list[tuple[float, int]] | None],
+                        texts: TokenTexts | None) -> list[list[list[Any]] | None]:
+    """Per position: [[logprob, token_id, text_or_null], ...], or null (a prompt's first)"""
+    return [None if pos is None else [[lp, i, texts(i) if texts else None] for lp, i in pos] for pos in tops]
 
 
 # ---- OpenAI chat: {"content": [{token, logprob, bytes, top_logprobs}]} ---------------------
@@ -63,16 +64,17 @@ def chat_logprobs(ids: list[int], lps: list[float], tops: list[list[tuple[float,
 # ---- OpenAI completions: {tokens, token_logprobs, top_logprobs, text_offset} ---------------
 
 
-def completion_logprobs(ids: list[int], lps: list[float], tops: list[list[tuple[float, int]]],
+def completion_logprobs(ids: list[int], lps: list[float | None], tops: list[list[tuple[float, int]] | None],
                         texts: TokenTexts, top_n: int, offset: int) -> dict[str, Any]:
-    """`offset`: length of the text before these tokens (for text_offset)."""
+    """`offset`: length of the text before these tokens (for text_offset). An
+    echoed prompt's first token has null logprob and top_logprobs."""
     tokens, offsets, top = [], [], []
     for k, token_id in enumerate(ids):
         text = texts(token_id)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
-        pairs = tops[k][:top_n] if k < len(tops) else []
-        top.append({texts(i): v for v, i in pairs})
+        pairs = tops[k] if k < len(tops) else []
+        top.append(None if pairs is None else {texts(i): v for v, i in pairs[:top_n]})
     return {"tokens": tokens, "token_logprobs": list(lps[:len(ids)]), "top_logprobs": top,
             "text_offset": offsets}

@@ -57,6 +57,10 @@ class ReqState:
     # One entry per output token, filled when the request asked for logprobs.
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # Prompt logprobs (logprob_start_len >= 0), from the first message: one entry
+    # per prompt token from logprob_start_len, the first None (SGLang's layout)
+    input_token_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     # Set whenever new output arrives; the handler clears it after reading.
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -199,6 +203,9 @@ class TokenizerManager:
                 state.token_logprobs.extend(out.output_token_logprobs[i])
             if i < len(out.output_top_logprobs):
                 state.top_logprobs.extend(out.output_top_logprobs[i])
+            if i < len(out.input_token_logprobs) and out.input_token_logprobs[i]:
+                state.input_token_logprobs = list(out.input_token_logprobs[i])
+                state.input_top_logprobs = list(out.input_top_logprobs[i])
             state.prompt_tokens = out.prompt_tokens[i]
             state.completion_tokens = out.completion_tokens[i]
             state.cached_tokens = out.cached_tokens[i]

@@ -59,4 +59,10 @@ def output_json(out: RequestOutput, inp: GenerateInput, texts: TokenTexts | None
     if out.spec.return_logprob:
         meta["output_token_logprobs"] = native_token_logprobs(out.ids, out.token_logprobs, texts)
         meta["output_top_logprobs"] = native_top_logprobs(out.top_logprobs, texts)
+        start = out.spec.logprob_start_len
+        if start >= 0:  # prompt logprobs: the prompt tokens from `start`, the first null
+            meta["input_token_logprobs"] = native_token_logprobs(
+                out.spec.input_ids[start:], out.state.input_token_logprobs, texts)
+            if out.spec.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = native_top_logprobs(out.state.input_top_logprobs, texts)
     return {"text": out.text, "output_ids": list(out.ids), "meta_info": meta}

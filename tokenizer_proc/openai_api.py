@@ -102,7 +102,7 @@ class Shaper:
         self.created = int(time.time())
 
     def usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        completion = sum(len(o.ids) for o in outputs)
+        completion = 0 if self.inp.hide_output else sum(len(o.ids) for o in outputs)
         # prompt tokens served by the prefix cache, each prompt counted once
         # (its n samples share it), as prompt_tokens counts them
         cached: dict[int, int] = {}
@@ -179,8 +179,31 @@ class CompletionShaper(Shaper):
         return lp
 
     def choice(self, k: int, out: RequestOutput) -> dict[str, Any]:
+        if self.inp.echo:
+            return self._echo_choice(k, out)
         return {"index": k, "text": out.text, "logprobs": self._logprobs(k, out, 0, out.text_ids_len()),
                 "finish_reason": finish_reason(out), "matched_stop": _matched_stop(out)}
+
+    def _echo_choice(self, k: int, out: RequestOutput) -> dict[str, Any]:
+        """The prompt, then the completion (none with max_tokens 0); with
+        logprobs, the prompt's tokens first, the first with null logprob and
+        top_logprobs (nothing predicts it), as lm-eval's log-likelihood reads them."""
+        prompt = self.inp.echo_texts[k]
+        reason = finish_reason(out)  # raises for an abort
+        end = 0 if self.inp.hide_output else out.text_ids_len()
+        logprobs = None
+        if self.inp.logprobs:
+            st = out.state
+            tops = st.input_top_logprobs if self.inp.top_logprobs else [None] + [[]] * (len(out.spec.input_ids) - 1)
+            logprobs = completion_logprobs(out.spec.input_ids, st.input_token_logprobs, tops, self.texts,
+                                           self.inp.top_logprobs, 0)
+            self.offsets[k] = len(prompt)
+            rest = self._logprobs(k, out, 0, end)
+            for key in logprobs:
+                logprobs[key] += rest[key]
+        return {"index": k, "text": prompt + ("" if self.inp.hide_output else out.text), "logprobs": logprobs,
+                "finish_reason": "length" if self.inp.hide_output else reason,
+                "matched_stop": None if self.inp.hide_output else _matched_stop(out)}
 
     def delta_choice(self, k: int, out: RequestOutput, delta: str, lp_start: int, lp_end: int,
                      reason: str | None) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Lenient where OpenAI clients are noisy (unknown fields such as `user` or
 `metadata` are ignored, as SGLang and vLLM do), strict where a setting would
-change the answer: a feature we do not implement (tools, echo, structured
+change the answer: a feature we do not implement (tools, structured
 output, ...) is refused with a 400 that names the field and why, rather than
 silently ignored. The field list is `sglang_fields.OPENAI_FIELDS`; SGLang's
 (and vLLM's) extras are taken too (`top_k`, `min_p`, `min_tokens`,
@@ -14,7 +14,7 @@ through `extra_body`.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.messages import ModelInfo, SamplingParams
@@ -41,6 +41,13 @@ class OpenAIInput:
     include_usage: bool  # stream_options.include_usage
     logprobs: bool
     top_logprobs: int
+    # completions' echo: choice k starts with echo_texts[k], its prompt (with
+    # logprobs: the prompt's tokens and their logprobs too, the first null)
+    echo: bool = False
+    echo_texts: list[str] = field(default_factory=list)
+    # echo with max_tokens 0: one token is generated (the server's minimum) and
+    # none of it shown or counted: the answer is the prompt alone
+    hide_output: bool = False
 
 
 def _refuse_unless_default(body: dict[str, Any]) -> None:
@@ -87,7 +94,8 @@ def _max_tokens(body: dict[str, Any], default: int | None) -> int | None:
 
 
 def _build(body: dict[str, Any], prompts: list[list[int]], info: ModelInfo, prefix: str,
-           default_max_tokens: int | None, logprobs: bool, top_logprobs: int) -> OpenAIInput:
+           default_max_tokens: int | None, logprobs: bool, top_logprobs: int,
+           logprob_start_len: int = -1) -> OpenAIInput:
     """Common to both routes: sampling, fan-out into n x prompts requests, rids."""
     _refuse_unless_default(body)
     stream = optional(body, "stream", check_bool, False)
@@ -124,6 +132,7 @@ def _build(body: dict[str, Any], prompts: list[list[int]], info: ModelInfo, pref
             specs.append(RequestSpec(rid=next(rids), input_ids=ids, sampling_params=sample, stop=stop,
                                      stop_regex=stop_regex, no_stop_trim=no_stop_trim,
                                      return_logprob=logprobs, top_logprobs_num=top_logprobs,
+                                     logprob_start_len=logprob_start_len if logprobs else -1,
                                      group=request_id if len(prompts) * n > 1 else None,
                                      cache_salt=cache_salt))
     return OpenAIInput(request_id=request_id, specs=specs, prompt_tokens=sum(len(p) for p in prompts),
@@ -134,8 +143,9 @@ def _build(body: dict[str, Any], prompts: list[list[int]], info: ModelInfo, pref
 # ---- /v1/completions -------------------------------------------------------------------------
 
 
-def _completion_prompts(prompt: Any, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
-    """A string, a list of strings, a list of token ids, or a list of lists of ids."""
+def _completion_prompts(prompt: Any, tokenizer: Tokenizer, vocab_size: int) -> list[tuple[list[int], str]]:
+    """A string, a list of strings, a list of token ids, or a list of lists of
+    ids; each with its text (as sent, or the ids decoded)."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif isinstance(prompt, list) and prompt and all(is_int(x) for x in prompt):
@@ -147,12 +157,13 @@ def _completion_prompts(prompt: Any, tokenizer: Tokenizer, vocab_size: int) -> l
     prompts = []
     for p in items:
         if isinstance(p, str):
-            prompts.append(tokenizer.encode(p) if p else [])
+            prompts.append((check_prompt_ids(tokenizer.encode(p) if p else [], vocab_size), p))
         elif isinstance(p, list):
-            prompts.append(check_int_list("prompt", p))
+            ids = check_prompt_ids(check_int_list("prompt", p), vocab_size)
+            prompts.append((ids, tokenizer.decode(ids, skip_special_tokens=False)))
         else:
             raise BadRequestError("prompt must be a string, a list of strings, or token ids")
-    return [check_prompt_ids(ids, vocab_size) for ids in prompts]
+    return prompts
 
 
 def parse_completion_request(body: dict[str, Any], tokenizer: Tokenizer, info: ModelInfo) -> OpenAIInput:
@@ -162,8 +173,22 @@ def parse_completion_request(body: dict[str, Any], tokenizer: Tokenizer, info: M
     top = optional(body, "logprobs", check_int, None)
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise BadRequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
-    return _build(body, prompts, info, "cmpl", COMPLETIONS_DEFAULT_MAX_TOKENS,
-                  logprobs=top is not None, top_logprobs=top or 0)
+    echo = optional(body, "echo", check_bool, False)
+    hide_output = False
+    if echo:
+        if optional(body, "stream", check_bool, False):
+            raise BadRequestError("echo is not supported with stream")
+        if body.get("max_tokens") == 0 and is_int(body["max_tokens"]):
+            # the prompt alone (lm-eval's log-likelihood): the server generates
+            # at least one token; it is neither shown nor counted
+            body, hide_output = {**body, "max_tokens": 1}, True
+    inp = _build(body, [ids for ids, _ in prompts], info, "cmpl", COMPLETIONS_DEFAULT_MAX_TOKENS,
+                 logprobs=top is not None, top_logprobs=top or 0, logprob_start_len=0 if echo else -1)
+    if echo:
+        n = len(inp.specs) // len(prompts)
+        inp.echo, inp.hide_output = True, hide_output
+        inp.echo_texts = [text for _, text in prompts for _ in range(n)]
+    return inp
 
 
 # ---- /v1/chat/completions --------------------------------------------------------------------
@@ -216,4 +241,6 @@ def parse_chat_request(body: dict[str, Any], tokenizer: Tokenizer, info: ModelIn
         raise BadRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
     if top and not logprobs:
         raise BadRequestError("top_logprobs needs logprobs to be true")
+    if optional(body, "echo", check_bool, False):
+        raise BadRequestError("echo is not supported on chat completions (only on /v1/completions)")
     return _build(body, [ids], info, "chatcmpl", None, logprobs=logprobs, top_logprobs=top)

@@ -206,6 +206,7 @@ def parse_generate_request(
     if not 0 <= top_n <= min(MAX_TOP_LOGPROBS, vocab_size):
         raise BadRequestError(f"top_logprobs_num must be in [0, {min(MAX_TOP_LOGPROBS, vocab_size)}]")
     text_in_logprobs = optional(body, "return_text_in_logprobs", check_bool, False)
+    start = optional(body, "logprob_start_len", check_int, -1) if return_logprob else -1
     cache_salt = cache_namespace(optional(body, "cache_salt", check_cache_salt, ""),
                                  optional(body, "extra_key", check_cache_salt, ""))
 
@@ -214,6 +215,9 @@ def parse_generate_request(
     n = sampling[0].n
     for ids, s in zip(prompts, sampling):
         check_fits_context(len(ids), s.params.max_new_tokens, context_len)
+        if not -1 <= start < len(ids):
+            raise BadRequestError(f"logprob_start_len ({start}) must be -1 or below the prompt length "
+                                  f"({len(ids)} tokens)")
     if len(prompts) * n > MAX_OUTPUTS:
         raise BadRequestError(f"at most {MAX_OUTPUTS} outputs per request (prompts x n)")
     batched = batched or n > 1
@@ -227,7 +231,7 @@ def parse_generate_request(
                 rid=rid, input_ids=ids,
                 sampling_params=SamplingParams(**{**_fields(sp), "seed": seed_for_sample(sp.seed, k)}),
                 stop=s.stop, stop_regex=s.stop_regex, no_stop_trim=s.no_stop_trim,
-                return_logprob=return_logprob, top_logprobs_num=top_n,
+                return_logprob=return_logprob, top_logprobs_num=top_n, logprob_start_len=start,
                 group=base if n > 1 else None, cache_salt=cache_salt))
     return GenerateInput(specs=specs, stream=stream, batched=batched,
                          return_text_in_logprobs=text_in_logprobs)

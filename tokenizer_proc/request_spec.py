@@ -17,6 +17,7 @@ class RequestSpec:
     no_stop_trim: bool = False  # the matched stop string (or stop token) stays in the text
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # >= 0 (with return_logprob): prompt logprobs from this position
     group: str | None = None  # the client request's id when it fanned out into several
     cache_salt: str = ""  # requests with different salts never share cached prefixes
 

@@ -12,7 +12,9 @@ requests get no answer at all (a stuck engine); with `hold` set, every new
 request behaves like a "hang..." one (for routes whose rids the server picks).
 
 Logprobs, when asked for, are made up but checkable: token t has logprob
--t/1000, and its top-n list is (t, t+1, ...) with logprobs -(t+j)/1000.
+-t/1000, and its top-n list is (t, t+1, ...) with logprobs -(t+j)/1000. Prompt
+logprobs (logprob_start_len >= 0) follow the same rule, in the first message,
+the first entry None (the real scheduler's layout).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class FakeScheduler:
         self._decoder = msgspec.msgpack.Decoder(ToSchedulerMsg)
         self._encoder = msgspec.msgpack.Encoder()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._prompt_lps_sent: set[str] = set()
 
     def aborts(self) -> list[str]:
         return [m.rid for m in self.received if isinstance(m, AbortReq)]
@@ -86,11 +89,21 @@ class FakeScheduler:
         lps = [-t / 1000 for t in new] if req.return_logprob else []
         tops = ([[(-((t + j) % self.vocab_size) / 1000, (t + j) % self.vocab_size)
                   for j in range(req.top_logprobs_num)] for t in new] if req.return_logprob else [])
+        in_lps: list = []
+        in_tops: list = []
+        if req.return_logprob and req.logprob_start_len >= 0 and req.rid not in self._prompt_lps_sent:
+            self._prompt_lps_sent.add(req.rid)
+            rest = req.input_ids[req.logprob_start_len + 1:]
+            in_lps = [None] + [-t / 1000 for t in rest]
+            if req.top_logprobs_num:
+                in_tops = [None] + [[(-((t + j) % self.vocab_size) / 1000, (t + j) % self.vocab_size)
+                                     for j in range(req.top_logprobs_num)] for t in rest]
         out = BatchTokenOut(
             rids=[req.rid], new_token_ids=[new], finished_reasons=[reason],
             prompt_tokens=[len(req.input_ids)], completion_tokens=[done],
             cached_tokens=[0], num_retractions=[0],
-            output_token_logprobs=[lps], output_top_logprobs=[tops])
+            output_token_logprobs=[lps], output_top_logprobs=[tops],
+            input_token_logprobs=[in_lps], input_top_logprobs=[in_tops])
         await self.push.send(self._encoder.encode(out))
 
     async def _serve(self, req: TokenizedGenerateReq) -> None:

@@ -150,6 +150,31 @@ def test_logprobs_layout(server: Server) -> None:
     assert req.return_logprob and req.top_logprobs_num == 2
 
 
+def test_prompt_logprobs_layout(server: Server) -> None:
+    prompt = [11, 12, 13, 14, 15]
+    status, _, raw = post(server, {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
+                                   "top_logprobs_num": 2, "return_text_in_logprobs": True,
+                                   "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200
+    meta = json.loads(raw)["meta_info"]
+    text = lambda t: server.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    # SGLang's layout: one entry per prompt token, the first's logprob null
+    assert meta["input_token_logprobs"] == [[None, 11, text(11)]] + [[-t / 1000, t, text(t)] for t in prompt[1:]]
+    assert meta["input_top_logprobs"] == [None] + [[[-t / 1000, t, text(t)], [-(t + 1) / 1000, t + 1, text(t + 1)]]
+                                                   for t in prompt[1:]]
+    assert server.fake.requests()[-1].logprob_start_len == 0
+    # from position 3, no top-n: entries for tokens 3 and 4, and no input_top_logprobs
+    status, _, raw = post(server, {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 3,
+                                   "sampling_params": {"max_new_tokens": 2}})
+    meta = json.loads(raw)["meta_info"]
+    assert meta["input_token_logprobs"] == [[None, 14, None], [-15 / 1000, 15, None]]
+    assert "input_top_logprobs" not in meta
+    # -1 (SGLang's default) asks for none
+    status, _, raw = post(server, {"input_ids": prompt, "return_logprob": True, "logprob_start_len": -1,
+                                   "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and "input_token_logprobs" not in json.loads(raw)["meta_info"]
+
+
 def test_logprobs_with_text(server: Server) -> None:
     status, _, raw = post(server, {"text": "hi", "return_logprob": True, "top_logprobs_num": 1,
                                    "return_text_in_logprobs": True})

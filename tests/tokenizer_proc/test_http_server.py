@@ -128,7 +128,9 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
     ("stop not str", {"text": "hi", "sampling_params": {"stop": [1]}}, "sampling_params.stop"),
     ("top_logprobs_num negative", {"text": "hi", "return_logprob": True, "top_logprobs_num": -1},
      "top_logprobs_num"),
-    ("input logprobs", {"text": "hi", "return_logprob": True, "logprob_start_len": 0},
+    ("logprob_start_len at the prompt's length",
+     {"input_ids": [5, 6, 7], "return_logprob": True, "logprob_start_len": 3}, "logprob_start_len (3)"),
+    ("logprob_start_len below -1", {"text": "hi", "return_logprob": True, "logprob_start_len": -2},
      "logprob_start_len"),
     ("return_logprob str", {"text": "hi", "return_logprob": "yes"}, "return_logprob"),
 ]

@@ -187,6 +187,43 @@ def test_completion_logprobs(server: Server, client: openai.OpenAI) -> None:
     assert client.completions.create(model="test", prompt="hello", max_tokens=2).choices[0].logprobs is None
 
 
+def test_completion_echo_with_logprobs(server: Server, client: openai.OpenAI) -> None:
+    """The prompt's tokens and logprobs, then the completion's, as lm-eval's
+    local-completions reads them (logprobs.token_logprobs[ctxlen:-1])."""
+    prompt = [21, 22, 23, 24]
+    r = client.completions.create(model="test", prompt=prompt, max_tokens=3, logprobs=1, echo=True)
+    text = lambda t: server.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    ids = prompt + server.script[:3]
+    choice, lp = r.choices[0], r.choices[0].logprobs
+    prompt_text = server.tokenizer.decode(prompt, skip_special_tokens=False)
+    assert choice.text == prompt_text + server.tokenizer.decode(server.script[:3])
+    assert lp.tokens == [text(t) for t in ids]
+    assert lp.token_logprobs == [None] + [-t / 1000 for t in ids[1:]]
+    assert lp.top_logprobs == [None] + [{text(t): -t / 1000} for t in ids[1:]]
+    prompt_offsets = [sum(len(text(t)) for t in prompt[:k]) for k in range(4)]
+    out_offsets = [len(prompt_text) + sum(len(text(t)) for t in server.script[:k]) for k in range(3)]
+    assert lp.text_offset == prompt_offsets + out_offsets
+    assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 3
+    assert last_request(server).logprob_start_len == 0
+
+
+def test_completion_echo_with_max_tokens_0_returns_the_prompt_alone(server: Server, client: openai.OpenAI) -> None:
+    r = client.completions.create(model="test", prompt=["hello", "hi"], max_tokens=0, logprobs=0, echo=True)
+    assert [c.text for c in r.choices] == ["hello", "hi"]
+    for c, p in zip(r.choices, ["hello", "hi"]):
+        ids = server.tokenizer.encode(p)
+        assert c.finish_reason == "length"
+        assert c.logprobs.token_logprobs == [None] + [-t / 1000 for t in ids[1:]]
+        assert len(c.logprobs.tokens) == len(ids)
+    assert r.usage.completion_tokens == 0
+    # served by generating one token (the server's minimum), none of it shown
+    assert last_request(server).sampling_params.max_new_tokens == 1
+    # echo without logprobs: the text only, no prompt logprobs asked for
+    r = client.completions.create(model="test", prompt="hello", max_tokens=2, echo=True)
+    assert r.choices[0].text == "hello" + server.tokenizer.decode(server.script[:2])
+    assert r.choices[0].logprobs is None and last_request(server).logprob_start_len == -1
+
+
 BAD = [
     ("/v1/chat/completions", {"model": "m"}, "messages"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -209,7 +246,9 @@ BAD = [
     ("/v1/completions", {"prompt": 5}, "prompt"),
     ("/v1/completions", {"prompt": [10**6]}, "out of range"),
     ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo is not supported"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, "echo is not supported with stream"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "echo": True}, "echo is not supported on chat"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
     ("/v1/completions", b"{bad json", "malformed"),
 ]
