@@ -1,0 +1,61 @@
+"""Prompt logprobs through a real server (tiny random model, float32, the
+default model's tokenizer): /generate's input_token_logprobs and
+/v1/completions' echo equal transformers' teacher-forced log-softmax, with
+chunked prefill and the prefix cache warm."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+
+from tests.e2e.server_process import ServerProcess
+from tests.helpers import load_hf
+
+PROMPT = [(i * 37 + 11) % 500 + 3 for i in range(40)]  # inside the tiny model's 512-token vocabulary
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, default_model_dir):
+    srv = ServerProcess("--model-path", tiny_llama_dir, "--tokenizer-path", default_model_dir,
+                        "--dtype", "float32", "--chunked-prefill-size", "16", "--max-total-tokens", "1024")
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir) -> list[float]:
+    """The logprob of prompt token p (p >= 1) as position p - 1 predicts it."""
+    with torch.inference_mode():
+        logits = load_hf(tiny_llama_dir)(torch.tensor([PROMPT])).logits[0].float()
+    lps = torch.log_softmax(logits, dim=-1)
+    return [lps[p - 1, PROMPT[p]].item() for p in range(1, len(PROMPT))]
+
+
+def test_generate_returns_every_prompt_logprob_twice_over_a_warm_cache(server, reference):
+    for _ in range(2):  # the second time the prompt is cached: still every position
+        r = requests.post(server.url + "/generate", json={
+            "input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0}}, timeout=120)
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        entries = meta["input_token_logprobs"]
+        assert [e[1] for e in entries] == PROMPT and entries[0][0] is None
+        assert [e[0] for e in entries[1:]] == pytest.approx(reference, abs=1e-4)
+        assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"]) == len(PROMPT)
+        assert all(len(top) == 2 for top in meta["input_top_logprobs"][1:])
+    r = requests.post(server.url + "/generate", json={
+        "input_ids": PROMPT, "return_logprob": True, "logprob_start_len": len(PROMPT)}, timeout=30)
+    assert r.status_code == 400 and "logprob_start_len" in r.text
+
+
+def test_completions_echo_returns_the_prompt_logprobs(server, reference):
+    r = requests.post(server.url + "/v1/completions", json={
+        "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(PROMPT) and lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(reference, abs=1e-4)
+    assert lp["top_logprobs"][0] is None and all(len(t) == 1 for t in lp["top_logprobs"][1:])
+    assert r.json()["usage"]["completion_tokens"] == 0
