@@ -137,3 +137,35 @@ def test_logprob_start_len_at_or_past_the_prompt_is_refused(tiny_llama_dir):
     reason = engine.outputs[-1].finished_reasons[0]
     assert reason["type"] == "abort" and reason["status_code"] == 400
     assert "logprob_start_len" in reason["message"]
+
+
+def test_the_model_head_runs_only_over_the_positions_asked_for(tiny_llama_dir, make_runner):
+    from tests.helpers import RunnerDriver
+
+    runner = make_runner(tiny_llama_dir)
+    driver = RunnerDriver(runner)
+    seen: list[int] = []
+    runner.model.lm_head.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    a, b = driver.new_row(), driver.new_row()
+    prompts = [_prompt(20, 12), _prompt(21, 9)]
+    batch = driver.extend([a, b], prompts)
+    runner.forward(batch)
+    assert seen == [2]  # no row asked: the last token of each row only
+    # row b asks for positions 3..7 (predicting its tokens 4..8): 2 + 5 rows of the head
+    c, d = driver.new_row(), driver.new_row()
+    batch = driver.extend([c, d], prompts)
+    batch.return_logprob, batch.top_logprobs_nums = True, [0, 2]
+    batch.input_logprob_rows, batch.input_logprob_starts = [1], [3]
+    batch.input_logprob_targets = [prompts[1][4:9]]
+    result = runner.forward(batch)
+    assert seen[-1] == 7
+    ref = _reference(tiny_llama_dir, prompts[1])
+    assert result.input_token_logprobs[0] == pytest.approx(
+        [ref[p, prompts[1][p + 1]].item() for p in range(3, 8)], abs=1e-4)
+    assert result.input_top_logprob_ids[0] == [ref[p].topk(2).indices.tolist() for p in range(3, 8)]
+    # an entry past the row's new tokens is a malformed batch
+    e = driver.new_row()
+    bad = driver.extend([e], [prompts[1]])
+    bad.input_logprob_rows, bad.input_logprob_starts, bad.input_logprob_targets = [0], [5], [[1] * 5]
+    with pytest.raises(ValueError, match="input logprob"):
+        runner.forward(bad)
