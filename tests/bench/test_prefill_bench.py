@@ -1,15 +1,24 @@
-"""bench/prefill_bench.py on a tiny random model: one row per chunk, both ways."""
+"""bench/prefill_bench.py on a tiny random model: both targets, both ways, in one run."""
 
 from __future__ import annotations
 
 from bench import prefill_bench
 
 
-def test_one_row_per_chunk_with_the_prefix_each_saw(tiny_llama_dir, capsys):
-    rows = prefill_bench.main(["--model-path", tiny_llama_dir, "--dtype", "float32", "--prompt", "70",
-                               "--chunk", "32", "--no-write"])
-    assert [(r["prefix"], r["tokens"]) for r in rows] == [(0, 32), (32, 32), (64, 6)]
-    for r in rows:
-        assert all(r[way] > 0 for way in prefill_bench.WAYS)
+def test_whole_chunked_and_each_prefix_are_timed_both_ways(tiny_llama_dir, capsys):
+    result = prefill_bench.main(["--model-path", tiny_llama_dir, "--dtype", "float32", "--prompt", "70",
+                                 "--chunk", "32", "--prefixes", "16", "38", "60", "--repeats", "1",
+                                 "--before", "--no-write"])
+    assert result["whole"] > 0
+    assert set(result["chunked"]) == set(result["extend"]) == {"now", "before"}
+    # 60 cached tokens leave no room for a 32-token extend in a 70-token context
+    assert list(result["extend"]["now"]) == [0, 16, 38]
+    assert result["floor"][38] > result["floor"][16] > result["floor"][0] > 0
     out = capsys.readouterr().out
-    assert "| 32 | 32 |" in out and "| all | 70 |" in out
+    assert "| 38 |" in out and "ratio (before)" in out and "Targets (now):" in out
+
+
+def test_chunks_follow_one_another_on_the_prefix_the_earlier_ones_left():
+    batches = prefill_bench.chunk_batches(list(range(3, 73)), 32)
+    assert [(b.prefix_lens[0], len(b.input_ids)) for b in batches] == [(0, 32), (32, 32), (64, 6)]
+    assert batches[2].out_cache_loc == list(range(65, 71))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from common.messages import ForwardBatch
-from model_proc.attention import TorchAttnBackend
+from model_proc.attention import (TorchAttnBackend, attention_with_lse, attention_with_lse_matmul,
+                                  merge_attention)
 from model_proc.kv_cache import KVPool, ReqToTokenTable
 
 Q_HEADS, KV_HEADS, HEAD_DIM, POOL = 6, 2, 16, 400
@@ -103,3 +105,39 @@ def test_decode_padding_points_at_the_dummy_slot():
     assert slots[0, 3:].tolist() == [0, 0, 0, 0]
     assert meta.decode_mask[:, 0, 0, :].sum(-1).tolist() == seq_lens
     assert meta.kv_indices.numel() == sum(seq_lens)
+
+
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[tokens, heads, D] -> [1, heads, tokens, D], as the backend passes them."""
+    return x[None].transpose(1, 2)
+
+
+@pytest.mark.parametrize("prefix, new", [(1, 1), (33, 7), (300, 40), (5, 64)])
+@pytest.mark.parametrize("sharp", [1.0, 8.0])  # 8: scores far apart, one side's mass dwarfs the other's
+def test_prefix_and_causal_new_parts_merged_equal_attention_over_all_keys(prefix, new, sharp):
+    gen = torch.Generator().manual_seed(prefix * 100 + new)
+    q = torch.randn(new, Q_HEADS, HEAD_DIM, generator=gen) * sharp
+    k = torch.randn(prefix + new, KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(prefix + new, KV_HEADS, HEAD_DIM, generator=gen)
+    scale = HEAD_DIM ** -0.5
+    over_prefix = attention_with_lse(heads_first(q), heads_first(k[:prefix]), heads_first(v[:prefix]),
+                                     False, scale)
+    over_new = attention_with_lse(heads_first(q), heads_first(k[prefix:]), heads_first(v[prefix:]), True, scale)
+    out = merge_attention(*over_prefix, *over_new)[0].transpose(0, 1)
+    torch.testing.assert_close(out, naive_attention(q, k, v, prefix), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_matmul_attention_with_lse_equals_the_cpu_flash_kernel(causal):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, Q_HEADS, 30, HEAD_DIM, generator=gen)
+    k = torch.randn(1, KV_HEADS, 30 if causal else 70, HEAD_DIM, generator=gen)
+    v = torch.randn(k.shape, generator=gen)
+    out, lse = attention_with_lse(q, k, v, causal, 0.3)
+    ref_out, ref_lse = attention_with_lse_matmul(q, k, v, causal, 0.3)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    scores = q @ k.repeat_interleave(Q_HEADS // KV_HEADS, dim=1).transpose(-1, -2) * 0.3
+    if causal:
+        scores = scores.masked_fill(torch.ones(30, 30, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(lse, scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
