@@ -256,7 +256,6 @@ def test_random_shared_prefix_loads_give_the_outputs_of_a_run_without_cache(over
                 assert want[:len(h.tokens(rid))] == h.tokens(rid), f"seed {seed}, {rid}"
             else:
                 assert h.tokens(rid) == want, f"seed {seed}, {rid}: {reason}"
-        assert h.sched.total_retractions >= 0
         assert_no_leak(h.sched)
 
 
