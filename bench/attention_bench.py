@@ -1,6 +1,7 @@
-"""Attention's share of a decode step, torch backend, default model.
+"""Attention's share of a decode step, torch and native backends, default model.
 
     python -m bench.attention_bench [--dtype float32|bfloat16] [--batches 1 16 64] [--contexts 512 2048]
+                                    [--backends torch native]
 
 Every row sits at `context` tokens whose KV is already in the pool (random
 values on scattered slots, as after a long prefill; no prefill is run), and
@@ -15,7 +16,14 @@ read bandwidth measured on the spot, and the share attention would have if
 it ran at that floor while the rest of the step stayed as measured. That
 share is the least any attention code could reach on this machine.
 
-`--compare` also runs each case the two earlier ways: one batch-wide gather
+`--backends` (default: torch native) runs every case once per backend, in
+that order, on the same runner, pool and batches (the model's layers are
+pointed at each backend in turn): the first backend's columns are the
+plain ones, each later one adds its step and attention ms and its
+attention as a multiple of the floor. The native backend where its op
+cannot be built is the torch path (logged), and is skipped here.
+
+`--compare` also runs each case (torch backend) the two earlier ways: one batch-wide gather
 into a reused buffer (no row chunks), and one batch-wide gather into a fresh
 buffer per layer (the backend before this bench). The table is printed and
 appended, with the command and date, to bench/RESULTS.md.
@@ -37,6 +45,7 @@ import torch
 from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
 from bench.machine_rates import read_bandwidth
+from model_proc.attention import AttentionBackend, NativeAttnBackend, create_attention_backend
 from model_proc.runner import ModelRunner
 
 RESULTS = os.path.join(os.path.dirname(__file__), "RESULTS.md")
@@ -65,6 +74,16 @@ class Timer:
             finally:
                 self.seconds += time.perf_counter() - start
         return timed
+
+
+def use_backend(runner: ModelRunner, name: str) -> AttentionBackend:
+    """Point the runner and every layer at a new backend `name` over the same
+    pool and table; returns it."""
+    backend = create_attention_backend(name, runner.kv_pool, runner.req_to_token, runner.attn_backend.scale)
+    runner.attn_backend = backend
+    for layer in runner.model.layers:
+        layer.self_attn.backend = backend
+    return backend
 
 
 def make_runner(max_batch: int, max_context: int, dtype: str) -> ModelRunner:
@@ -149,11 +168,12 @@ def run_cases(runner: ModelRunner, cases: list[tuple[int, int]], steps: int,
 
 
 def report(runner: ModelRunner, command: str, steps: int, bandwidth: float, header: list[str],
-           rows: list[list[str]]) -> str:
+           rows: list[list[str]], backends: tuple[str, ...] = ("torch",)) -> str:
     cfg = runner.model_config
     table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                       + ["| " + " | ".join(r) + " |" for r in rows])
-    return (f"\n## Decode step: attention share (torch backend), {datetime.date.today().isoformat()}\n\n"
+    names = " vs ".join(backends)
+    return (f"\n## Decode step: attention share ({names} backend), {datetime.date.today().isoformat()}\n\n"
             f"`{command}`\n\n"
             f"SmolLM2-135M ({cfg.num_layers} layers, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, "
             f"head_dim {cfg.head_dim}), {str(runner.dtype).removeprefix('torch.')}, {platform.machine()}, {os.cpu_count()} cores, "
@@ -172,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--steps", type=int, default=3, help="timed steps per case (after one warm-up)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--backends", nargs="+", default=["torch", "native"], choices=["torch", "native"],
+                   help="attention backends, side by side; the first one's columns come first")
     p.add_argument("--compare", action="store_true",
                    help="also time the batch-wide gather, reused and fresh buffer (the earlier code)")
     p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
@@ -183,13 +205,28 @@ def main(argv: list[str] | None = None) -> None:
     runner = make_runner(max(args.batches), max(args.contexts), args.dtype)
     fill_pool(runner, max(args.batches) * max(args.contexts), torch.Generator().manual_seed(0))
     cases = [(bs, ctx) for ctx in args.contexts for bs in args.batches]
-    header = ["batch", "context", "step ms", "attention ms", "attention share", "attention floor ms",
-              "share at the floor"]
-    rows = [[str(bs), str(ctx), *cells]
-            for (bs, ctx), cells in zip(cases, run_cases(runner, cases, args.steps, bandwidth))]
+    floors = [kv_bytes(runner, bs, ctx) / bandwidth for bs, ctx in cases]
+    backends: list[str] = []
+    for name in args.backends:
+        backend = use_backend(runner, name)
+        if isinstance(backend, NativeAttnBackend) and backend.op is None:
+            print(f"{name}: its op is not available (see the log line above); skipped")
+            continue
+        backends.append(name)
+        print(f"{name} backend:")
+        if len(backends) == 1:
+            header = ["batch", "context", "step ms", "attention ms", "attention share", "attention floor ms",
+                      "share at the floor", "attention x floor"]
+            rows = [[str(bs), str(ctx), *cells, f"{float(cells[1]) / (floor * 1e3):.2f}"]
+                    for (bs, ctx), floor, cells in zip(cases, floors,
+                                                       run_cases(runner, cases, args.steps, bandwidth))]
+        else:
+            header += [f"step ms ({name})", f"attention ms ({name})", f"attention x floor ({name})"]
+            for row, floor, cells in zip(rows, floors, run_cases(runner, cases, args.steps, bandwidth)):
+                row += [*cells[:2], f"{float(cells[1]) / (floor * 1e3):.2f}"]
     if args.compare:
         # later passes, so that freeing the fresh buffers cannot slow the first
-        backend = runner.attn_backend
+        backend = use_backend(runner, "torch")
         backend.decode_chunk_bytes = 1 << 62
         for label in ("whole batch", "whole batch, fresh buf"):
             print(f"{label}:")
@@ -200,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
                 row += cells[:2]
 
     command = " ".join(["python -m bench.attention_bench", *(sys.argv[1:] if argv is None else argv)])
-    text = report(runner, command, args.steps, bandwidth, header, rows)
+    text = report(runner, command, args.steps, bandwidth, header, rows, tuple(backends))
     print(text)
     if not args.no_write:
         if not os.path.exists(RESULTS):

@@ -38,7 +38,7 @@ class ServerArgs:
     context_length: int | None = None
     dtype: str = "auto"
     device: str = "cpu"
-    attention_backend: str = ""  # default: triton on a CUDA device, torch elsewhere
+    attention_backend: str = ""  # default: triton on a CUDA device, torch elsewhere; native: the C++ CPU op
     random_seed: int = 0
     deterministic: bool = False  # batch-invariant forward (model_proc/batch_invariant.py)
     # network
@@ -88,7 +88,7 @@ class ServerArgs:
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
         if self.max_request_bytes < 1:
             raise ValueError("--max-request-bytes must be >= 1")
-        if self.attention_backend not in ("torch", "triton"):
+        if self.attention_backend not in ("torch", "native", "triton"):
             raise ValueError(f"--attention-backend {self.attention_backend!r} is not available")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"--schedule-policy {self.schedule_policy!r} is not available")
@@ -123,8 +123,9 @@ class ServerArgs:
                             help="auto: bfloat16 where the processor has native bfloat16 matmuls "
                                  "(AVX512_BF16/AMX, CUDA), else float32")
         parser.add_argument("--device", default=d["device"].default)
-        parser.add_argument("--attention-backend", default="", choices=["torch", "triton"],
-                            help="default: triton on a CUDA device, torch elsewhere")
+        parser.add_argument("--attention-backend", default="", choices=["torch", "native", "triton"],
+                            help="default: triton on a CUDA device, torch elsewhere; native: the C++/OpenMP "
+                                 "CPU op over the paged pool (model_proc/native/; torch if it cannot be built)")
         parser.add_argument("--random-seed", type=int, default=d["random_seed"].default)
         parser.add_argument("--deterministic", action="store_true",
                             help="batch-invariant forward: a request's logits are the same bits "

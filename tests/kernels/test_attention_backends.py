@@ -1,5 +1,6 @@
-"""Both attention backends, torch and triton (interpreter), through the model's
-interface (init_forward_metadata + forward) against a naive per-row reference."""
+"""The attention backends, torch, native (the C++ op) and triton (interpreter),
+through the model's interface (init_forward_metadata + forward) against a
+naive per-row reference."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from model_proc.kv_cache import KVPool, ReqToTokenTable
 from tests.kernels.kernel_inputs import rel_err
 
 Q_HEADS, KV_HEADS, HEAD_DIM, POOL = 6, 2, 16, 600
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "native", "triton"]
 # the torch backend's decode in chunks of rows, as a big batch runs: 1 and 2
 # rows per chunk (5 rows: an uneven last chunk)
-DECODE_VARIANTS = {"torch": None, "torch-chunk1": 1, "torch-chunk2": 2, "triton": None}
+DECODE_VARIANTS = {"torch": None, "torch-chunk1": 1, "torch-chunk2": 2, "native": None, "triton": None}
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int) -> torch.Tensor:

@@ -1,0 +1,441 @@
+// Attention over the paged KV pool, read in place through the slot indices.
+//
+// Layout (model_proc/attention.py): k_buf, v_buf [slots, kv_heads, D]; a
+// row's keys are k_buf[kv_indices[kv_indptr[i] .. kv_indptr[i+1]]]. Queries
+// [tokens, q_heads, D]; the `group` query heads h*group .. h*group+group-1
+// share KV head h (GQA). Scores, softmax and accumulators are float32 for
+// both float32 and bfloat16 inputs. Threads: OpenMP (torch's own runtime,
+// libgomp, by its soname), as many as torch.get_num_threads().
+//
+// decode: one work item per (row, KV head, KV split): the item's query heads
+//   walk its keys in blocks of BK (scores, one online-softmax update per
+//   block, then P x V), each K and V row read once for the whole group. Few
+//   rows get their keys split so every thread has work; the splits' partial
+//   (max, sum, acc) are merged in a second pass.
+// extend: one work item per (row, KV head, tile of BQ new tokens): the tile
+//   walks the row's keys (cached prefix, then its new tokens, which the
+//   backend stored into the pool first) up to its last token's position, in
+//   blocks of 16 keys packed transposed (K) and converted (V) into float32
+//   scratch; a query sees key t only if t <= prefix + its index (causal tail).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && !defined(BATCHSERVE_NO_AVX512)
+#include <immintrin.h>
+#define BS_AVX512 1
+#endif
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kMaxGroup = 16;  // query heads per KV head
+
+// ---------------------------------------------------------------- 16 floats
+#ifdef BS_AVX512
+struct V16 {
+  __m512 v;
+  static V16 zero() { return {_mm512_setzero_ps()}; }
+  static V16 bcast(float x) { return {_mm512_set1_ps(x)}; }
+  static V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static V16 load(const c10::BFloat16* p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  static V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  V16 operator*(V16 o) const { return {_mm512_mul_ps(v, o.v)}; }
+  V16 operator-(V16 o) const { return {_mm512_sub_ps(v, o.v)}; }
+  float sum() const { return _mm512_reduce_add_ps(v); }
+  float max() const { return _mm512_reduce_max_ps(v); }
+  // lanes >= n set to x
+  V16 fill_from(int n, float x) const {
+    __mmask16 keep = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    return {_mm512_mask_blend_ps(keep, _mm512_set1_ps(x), v)};
+  }
+  // e^x, relative error ~1e-7; inputs below -87 give ~0 (the caller masks
+  // lanes that must be exactly 0)
+  V16 exp() const {
+    __m512 x = _mm512_max_ps(v, _mm512_set1_ps(-87.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);  // in [-0.5, 0.5]; 2^f by its Taylor series in f ln 2
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return {_mm512_scalef_ps(p, n)};
+  }
+};
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+#else
+struct V16 {
+  float v[16];
+  static V16 zero() { return bcast(0.0f); }
+  static V16 bcast(float x) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = x; return r; }
+  template <typename T> static V16 load(const T* p) {
+    V16 r; for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(p[i]); return r;
+  }
+  void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
+  static V16 fma(V16 a, V16 b, V16 c) { for (int i = 0; i < 16; ++i) c.v[i] += a.v[i] * b.v[i]; return c; }
+  V16 operator*(V16 o) const { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = v[i] * o.v[i]; return r; }
+  V16 operator-(V16 o) const { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = v[i] - o.v[i]; return r; }
+  float sum() const { float s = 0; for (int i = 0; i < 16; ++i) s += v[i]; return s; }
+  float max() const { float s = v[0]; for (int i = 1; i < 16; ++i) s = std::max(s, v[i]); return s; }
+  V16 fill_from(int n, float x) const { V16 r = *this; for (int i = std::max(n, 0); i < 16; ++i) r.v[i] = x; return r; }
+  V16 exp() const { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = std::exp(std::max(v[i], -87.0f)); return r; }
+};
+inline void prefetch(const void* p) { __builtin_prefetch(p); }
+#endif
+
+// torch's thread count (torch.set_num_threads), never more than the items
+inline int threads_for(int64_t items) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+}
+
+template <typename T> inline void store_row(T* dst, const float* src, float mul, int d) {
+  for (int i = 0; i < d; ++i) dst[i] = static_cast<T>(src[i] * mul);
+}
+
+// ------------------------------------------------------------------ decode
+constexpr int kDecodeBlock = 32;  // keys per online-softmax update
+constexpr int kPrefetch = 8;      // keys ahead
+
+// Attention of `group` queries (q: float32, pre-scaled, [group][D]) over
+// keys [k0, k1) of a row's slot list, for KV head h. Leaves the un-normalized
+// accumulator, the running max and sum.
+template <typename T, int D>
+void decode_part(const float* q, int group, const T* k_buf, const T* v_buf, int64_t slot_stride,
+                 const int64_t* slots, int64_t k0, int64_t k1, float* acc, float* m, float* l) {
+  constexpr int C = D / 16;
+  for (int g = 0; g < group; ++g) { m[g] = kNegInf; l[g] = 0.0f; }
+  std::fill(acc, acc + group * D, 0.0f);
+  float s[kMaxGroup][kDecodeBlock];
+  for (int64_t t0 = k0; t0 < k1; t0 += kDecodeBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kDecodeBlock, k1 - t0));
+    for (int t = 0; t < n; ++t) {
+      if (t0 + t + kPrefetch < k1) prefetch(k_buf + slots[t0 + t + kPrefetch] * slot_stride);
+      prefetch(v_buf + slots[t0 + t] * slot_stride);
+      const T* kr = k_buf + slots[t0 + t] * slot_stride;
+      V16 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = V16::load(kr + 16 * c);
+      for (int g = 0; g < group; ++g) {
+        V16 a = V16::load(q + g * D) * kv[0];
+        for (int c = 1; c < C; ++c) a = V16::fma(V16::load(q + g * D + 16 * c), kv[c], a);
+        s[g][t] = a.sum();
+      }
+    }
+    float p[kMaxGroup][kDecodeBlock];
+    for (int g = 0; g < group; ++g) {
+      float bm = s[g][0];
+      for (int t = 1; t < n; ++t) bm = std::max(bm, s[g][t]);
+      const float mn = std::max(m[g], bm);
+      const float alpha = std::exp(m[g] - mn);  // 0 for the first block
+      float sum = 0.0f;
+      for (int t = 0; t < n; t += 16) {
+        V16 e = (V16::load(&s[g][t]) - V16::bcast(mn)).exp().fill_from(n - t, 0.0f);
+        e.store(&p[g][t]);
+        sum += e.sum();
+      }
+      l[g] = l[g] * alpha + sum;
+      m[g] = mn;
+      if (alpha != 1.0f) {
+        for (int c = 0; c < C; ++c) (V16::load(acc + g * D + 16 * c) * V16::bcast(alpha)).store(acc + g * D + 16 * c);
+      }
+    }
+    for (int t = 0; t < n; ++t) {
+      const T* vr = v_buf + slots[t0 + t] * slot_stride;
+      V16 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = V16::load(vr + 16 * c);
+      for (int g = 0; g < group; ++g) {
+        const V16 pg = V16::bcast(p[g][t]);
+        float* a = acc + g * D;
+        for (int c = 0; c < C; ++c) V16::fma(pg, vv[c], V16::load(a + 16 * c)).store(a + 16 * c);
+      }
+    }
+  }
+}
+
+template <typename T, int D>
+void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                 const at::Tensor& kv_indptr, const at::Tensor& kv_indices, double scale, int64_t splits) {
+  const int64_t rows = q.size(0), q_heads = q.size(1), kv_heads = k_buf.size(1);
+  const int group = static_cast<int>(q_heads / kv_heads);
+  const int64_t slot_stride = k_buf.stride(0);
+  const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kp = k_buf.data_ptr<T>();
+  const T* vp = v_buf.data_ptr<T>();
+  const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
+  const int64_t* indices = kv_indices.data_ptr<int64_t>();
+  // splits > 1: each split's acc [group][D], max [group], sum [group]
+  at::Tensor part;
+  float* pp = nullptr;
+  const int64_t part_size = group * (D + 2);
+  if (splits > 1) {
+    part = at::empty({rows * kv_heads * splits * part_size}, q.options().dtype(at::kFloat));
+    pp = part.data_ptr<float>();
+  }
+  const int64_t items = rows * kv_heads * splits;
+#pragma omp parallel num_threads(threads_for(items))
+  {
+    float qf[kMaxGroup * D];
+    float acc[kMaxGroup * D];
+    float m[kMaxGroup], l[kMaxGroup];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t b = it / (kv_heads * splits), h = (it / splits) % kv_heads, sp = it % splits;
+      const int64_t len = indptr[b + 1] - indptr[b];
+      const int64_t chunk = (len + splits - 1) / splits;
+      const int64_t k0 = std::min(len, sp * chunk), k1 = std::min(len, k0 + chunk);
+      const T* qr = qp + b * q_stride + h * group * D;
+      for (int i = 0; i < group * D; ++i) qf[i] = static_cast<float>(qr[i]) * static_cast<float>(scale);
+      decode_part<T, D>(qf, group, kp + h * D, vp + h * D, slot_stride, indices + indptr[b], k0, k1, acc, m, l);
+      if (splits == 1) {
+        for (int g = 0; g < group; ++g)
+          store_row(op + b * o_stride + (h * group + g) * D, acc + g * D, 1.0f / l[g], D);
+      } else {
+        float* dst = pp + it * part_size;
+        std::memcpy(dst, acc, sizeof(float) * group * D);
+        std::memcpy(dst + group * D, m, sizeof(float) * group);
+        std::memcpy(dst + group * (D + 1), l, sizeof(float) * group);
+      }
+    }
+  }
+  if (splits == 1) return;
+#pragma omp parallel num_threads(threads_for(rows * kv_heads))
+  {
+    float acc[D];
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < rows * kv_heads; ++bh) {
+      const int64_t b = bh / kv_heads, h = bh % kv_heads;
+      const float* base = pp + bh * splits * part_size;
+      for (int g = 0; g < group; ++g) {
+        float mx = kNegInf;
+        for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, base[sp * part_size + group * D + g]);
+        float sum = 0.0f;
+        std::fill(acc, acc + D, 0.0f);
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          const float* src = base + sp * part_size;
+          const float ls = src[group * (D + 1) + g];
+          if (ls == 0.0f) continue;  // an empty split
+          const float w = std::exp(src[group * D + g] - mx);
+          sum += ls * w;
+          for (int d = 0; d < D; ++d) acc[d] += w * src[g * D + d];
+        }
+        store_row(op + b * o_stride + (h * group + g) * D, acc, 1.0f / sum, D);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ extend
+constexpr int kTileQ = 32;  // new tokens per work item
+constexpr int kKeyBlock = 16;
+
+template <typename T, int D>
+void extend_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                 const at::Tensor& qo_indptr, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                 double scale) {
+  constexpr int C = D / 16;
+  const int64_t rows = qo_indptr.size(0) - 1, q_heads = q.size(1), kv_heads = k_buf.size(1);
+  const int group = static_cast<int>(q_heads / kv_heads);
+  const int64_t slot_stride = k_buf.stride(0);
+  const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kp = k_buf.data_ptr<T>();
+  const T* vp = v_buf.data_ptr<T>();
+  const int64_t* qo = qo_indptr.data_ptr<int64_t>();
+  const int64_t* kvp = kv_indptr.data_ptr<int64_t>();
+  const int64_t* indices = kv_indices.data_ptr<int64_t>();
+  // work items: (row, tile) pairs in order, times KV heads
+  std::vector<int64_t> tile_row, tile_first;
+  for (int64_t b = 0; b < rows; ++b)
+    for (int64_t j = 0; j < qo[b + 1] - qo[b]; j += kTileQ) { tile_row.push_back(b); tile_first.push_back(j); }
+  const int64_t tiles = static_cast<int64_t>(tile_row.size());
+#pragma omp parallel num_threads(threads_for(tiles * kv_heads))
+  {
+    std::vector<float> qf(kTileQ * group * D), acc(kTileQ * group * D);
+    std::vector<float> m(kTileQ * group), l(kTileQ * group);
+    alignas(64) float kt[D * kKeyBlock];  // K block transposed: kt[d][t]
+    alignas(64) float vb[kKeyBlock * D];
+    alignas(64) float s[kKeyBlock];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < tiles * kv_heads; ++it) {
+      const int64_t tile = it / kv_heads, h = it % kv_heads, b = tile_row[tile];
+      const int64_t n_new = qo[b + 1] - qo[b], n_kv = kvp[b + 1] - kvp[b], prefix = n_kv - n_new;
+      const int64_t j0 = tile_first[tile], j1 = std::min(n_new, j0 + kTileQ);
+      const int nq = static_cast<int>(j1 - j0), mq = nq * group;
+      const int64_t* slots = indices + kvp[b];
+      for (int j = 0; j < nq; ++j) {
+        const T* qr = qp + (qo[b] + j0 + j) * q_stride + h * group * D;
+        for (int i = 0; i < group * D; ++i) qf[j * group * D + i] = static_cast<float>(qr[i]) * static_cast<float>(scale);
+      }
+      std::fill(acc.begin(), acc.begin() + mq * D, 0.0f);
+      std::fill(m.begin(), m.begin() + mq, kNegInf);
+      std::fill(l.begin(), l.begin() + mq, 0.0f);
+      const int64_t n_keys = prefix + j1;  // the tile's last token sees keys 0 .. prefix + j1 - 1
+      for (int64_t t0 = 0; t0 < n_keys; t0 += kKeyBlock) {
+        const int nb = static_cast<int>(std::min<int64_t>(kKeyBlock, n_keys - t0));
+        for (int t = 0; t < nb; ++t) {
+          if (t0 + kKeyBlock + t < n_keys) {
+            prefetch(kp + slots[t0 + kKeyBlock + t] * slot_stride + h * D);
+            prefetch(vp + slots[t0 + kKeyBlock + t] * slot_stride + h * D);
+          }
+          const T* kr = kp + slots[t0 + t] * slot_stride + h * D;
+          const T* vr = vp + slots[t0 + t] * slot_stride + h * D;
+          for (int d = 0; d < D; ++d) kt[d * kKeyBlock + t] = static_cast<float>(kr[d]);
+          for (int c = 0; c < C; ++c) V16::load(vr + 16 * c).store(vb + t * D + 16 * c);
+        }
+        for (int t = nb; t < kKeyBlock; ++t)
+          for (int d = 0; d < D; ++d) kt[d * kKeyBlock + t] = 0.0f;
+        for (int j = 0; j < nq; ++j) {
+          // keys of this block that query j sees
+          const int nv = static_cast<int>(std::min<int64_t>(nb, prefix + j0 + j + 1 - t0));
+          if (nv <= 0) continue;
+          for (int g = 0; g < group; ++g) {
+            const int mi = j * group + g;
+            const float* qv = qf.data() + mi * D;
+            V16 a0 = V16::zero(), a1 = V16::zero();
+            for (int d = 0; d < D; d += 2) {
+              a0 = V16::fma(V16::bcast(qv[d]), V16::load(kt + d * kKeyBlock), a0);
+              a1 = V16::fma(V16::bcast(qv[d + 1]), V16::load(kt + (d + 1) * kKeyBlock), a1);
+            }
+            V16 sc = V16::fma(a0, V16::bcast(1.0f), a1).fill_from(nv, kNegInf);
+            const float mn = std::max(m[mi], sc.max());
+            const float alpha = std::exp(m[mi] - mn);
+            V16 p = (sc - V16::bcast(mn)).exp().fill_from(nv, 0.0f);
+            l[mi] = l[mi] * alpha + p.sum();
+            m[mi] = mn;
+            p.store(s);
+            float* a = acc.data() + mi * D;
+            V16 av[C];
+            for (int c = 0; c < C; ++c) av[c] = V16::load(a + 16 * c) * V16::bcast(alpha);
+            for (int t = 0; t < nv; ++t) {
+              const V16 pt = V16::bcast(s[t]);
+              for (int c = 0; c < C; ++c) av[c] = V16::fma(pt, V16::load(vb + t * D + 16 * c), av[c]);
+            }
+            for (int c = 0; c < C; ++c) av[c].store(a + 16 * c);
+          }
+        }
+      }
+      for (int j = 0; j < nq; ++j)
+        for (int g = 0; g < group; ++g) {
+          const int mi = j * group + g;
+          store_row(op + (qo[b] + j0 + j) * o_stride + (h * group + g) * D, acc.data() + mi * D, 1.0f / l[mi], D);
+        }
+    }
+  }
+}
+
+// --------------------------------------------------------------- dispatch
+void check(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf) {
+  TORCH_CHECK(q.device().is_cpu(), "native attention runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [tokens, q_heads, head_dim]");
+  TORCH_CHECK(k_buf.dim() == 3 && k_buf.sizes() == v_buf.sizes(), "k_buf, v_buf must be [slots, kv_heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == k_buf.scalar_type() && out.scalar_type() == q.scalar_type() &&
+              v_buf.scalar_type() == q.scalar_type(), "q, out and the pool must share a dtype");
+  TORCH_CHECK(q.size(2) == k_buf.size(2), "head_dim differs between q and the pool");
+  TORCH_CHECK(q.size(1) % k_buf.size(1) == 0 && q.size(1) / k_buf.size(1) <= kMaxGroup,
+              "q_heads must be a multiple of kv_heads, at most ", kMaxGroup, " per KV head");
+  for (const at::Tensor* t : {&out, &q})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "q and out need contiguous heads");
+  for (const at::Tensor* t : {&k_buf, &v_buf}) TORCH_CHECK(t->is_contiguous(), "the pool must be contiguous");
+  TORCH_CHECK(k_buf.stride(0) == v_buf.stride(0), "k_buf and v_buf strides differ");
+}
+
+#define BS_DISPATCH(DTYPE, HEAD_DIM, FN, ...)                                              \
+  [&] {                                                                                    \
+    if (DTYPE == at::kFloat) {                                                             \
+      switch (HEAD_DIM) {                                                                  \
+        case 16: return FN<float, 16>(__VA_ARGS__);                                        \
+        case 32: return FN<float, 32>(__VA_ARGS__);                                        \
+        case 64: return FN<float, 64>(__VA_ARGS__);                                        \
+        case 80: return FN<float, 80>(__VA_ARGS__);                                        \
+        case 96: return FN<float, 96>(__VA_ARGS__);                                        \
+        case 128: return FN<float, 128>(__VA_ARGS__);                                      \
+        case 256: return FN<float, 256>(__VA_ARGS__);                                      \
+      }                                                                                    \
+    } else if (DTYPE == at::kBFloat16) {                                                   \
+      switch (HEAD_DIM) {                                                                  \
+        case 16: return FN<c10::BFloat16, 16>(__VA_ARGS__);                                \
+        case 32: return FN<c10::BFloat16, 32>(__VA_ARGS__);                                \
+        case 64: return FN<c10::BFloat16, 64>(__VA_ARGS__);                                \
+        case 80: return FN<c10::BFloat16, 80>(__VA_ARGS__);                                \
+        case 96: return FN<c10::BFloat16, 96>(__VA_ARGS__);                                \
+        case 128: return FN<c10::BFloat16, 128>(__VA_ARGS__);                              \
+        case 256: return FN<c10::BFloat16, 256>(__VA_ARGS__);                              \
+      }                                                                                    \
+    }                                                                                      \
+    TORCH_CHECK(false, "native attention: no kernel for ", DTYPE, " head_dim ", HEAD_DIM); \
+  }()
+
+bool supports(const std::string& dtype, int64_t head_dim) {
+  const bool dim_ok = head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 80 ||
+                      head_dim == 96 || head_dim == 128 || head_dim == 256;
+  return dim_ok && (dtype == "float32" || dtype == "bfloat16");
+}
+
+// Splits of each row's keys: enough work items for every thread (4 per
+// thread), none shorter than 256 keys.
+int64_t choose_splits(int64_t rows, int64_t kv_heads, int64_t max_len) {
+  const int64_t threads = at::get_num_threads();
+  int64_t splits = 1;
+  while (rows * kv_heads * splits < 4 * threads && max_len / (splits * 2) >= 256) splits *= 2;
+  return splits;
+}
+
+at::Tensor decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                  const at::Tensor& kv_indptr, const at::Tensor& kv_indices, double scale, int64_t max_len) {
+  check(out, q, k_buf, v_buf);
+  TORCH_CHECK(kv_indptr.scalar_type() == at::kLong && kv_indices.scalar_type() == at::kLong &&
+              kv_indptr.is_contiguous() && kv_indices.is_contiguous(), "indices must be contiguous int64");
+  TORCH_CHECK(kv_indptr.size(0) == q.size(0) + 1, "kv_indptr must have rows + 1 entries");
+  const int64_t splits = choose_splits(q.size(0), k_buf.size(1), max_len);
+  BS_DISPATCH(q.scalar_type(), q.size(2), decode_impl, out, q, k_buf, v_buf, kv_indptr, kv_indices, scale, splits);
+  return out;
+}
+
+at::Tensor extend(at::Tensor out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                  const at::Tensor& qo_indptr, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                  double scale) {
+  check(out, q, k_buf, v_buf);
+  for (const at::Tensor* t : {&qo_indptr, &kv_indptr, &kv_indices})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "indices must be contiguous int64");
+  TORCH_CHECK(qo_indptr.size(0) == kv_indptr.size(0), "qo_indptr and kv_indptr must have rows + 1 entries");
+  BS_DISPATCH(q.scalar_type(), q.size(2), extend_impl, out, q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, scale);
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.def("decode", &decode, "decode attention over the paged pool (one new token per row)",
+        py::arg("out"), py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("kv_indptr"),
+        py::arg("kv_indices"), py::arg("scale"), py::arg("max_len"), py::call_guard<py::gil_scoped_release>());
+  m.def("extend", &extend, "extend attention: new tokens over their cached prefix and, causally, themselves",
+        py::arg("out"), py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("qo_indptr"),
+        py::arg("kv_indptr"), py::arg("kv_indices"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  m.def("supports", &supports, "whether a kernel exists for this dtype name and head_dim");
+  m.def("choose_splits", &choose_splits, "KV splits a decode step uses");
+#ifdef BS_AVX512
+  m.attr("simd") = "avx512";
+#else
+  m.attr("simd") = "scalar";
+#endif
+}

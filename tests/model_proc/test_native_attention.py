@@ -1,0 +1,190 @@
+"""The native C++ attention op (model_proc/native/) against the torch
+backend, through the backend interface, and the tiny model end to end."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from common.messages import ForwardBatch
+from model_proc import native
+from model_proc.attention import NativeAttnBackend, TorchAttnBackend, create_attention_backend
+from model_proc.kv_cache import KVPool, ReqToTokenTable
+from tests.helpers import RunnerDriver
+
+KV_HEADS, POOL = 2, 2600
+LENS = [1, 7, 96, 300, 2048]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # relative (norm) error against float32 torch
+
+needs_op = pytest.mark.skipif(native.load() is None, reason=f"native op not built: {native.failure()}")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def make_pair(dtype: torch.dtype, group: int, head_dim: int, seed: int
+              ) -> tuple[NativeAttnBackend, TorchAttnBackend, torch.Generator]:
+    """A native backend over a random pool of `dtype`, and the torch backend
+    over the same values in float32 (its reference)."""
+    gen = torch.Generator().manual_seed(seed)
+    pools = [KVPool(POOL, num_layers=1, num_kv_heads=KV_HEADS, head_dim=head_dim, dtype=d, device="cpu")
+             for d in (dtype, torch.float32)]
+    for ours, ref in zip(pools[0].k_buffer + pools[0].v_buffer, pools[1].k_buffer + pools[1].v_buffer):
+        ours[1:] = torch.randn(ours[1:].shape, generator=gen).to(dtype)  # stale data everywhere
+        ref.copy_(ours.float())
+    table = ReqToTokenTable(num_rows=len(LENS) + 1, context_len=2100, device="cpu")
+    scale = head_dim ** -0.5
+    return (NativeAttnBackend(pools[0], table, scale), TorchAttnBackend(pools[1], table, scale), gen)
+
+
+def fill_rows(table: torch.Tensor, rows: list[int], lens: list[int], gen: torch.Generator) -> None:
+    """Scattered slots in no order, as a pool looks after retractions and evictions."""
+    slots = (torch.randperm(POOL, generator=gen) + 1).to(torch.int32)
+    used = 0
+    for row, n in zip(rows, lens):
+        table[row, :n] = slots[used:used + n]
+        used += n
+
+
+def make_batch(mode: str, rows: list[int], seq_lens: list[int], prefix_lens: list[int],
+               num_new: int) -> ForwardBatch:
+    b = len(rows)
+    return ForwardBatch(mode, rows, seq_lens, prefix_lens, [0] * num_new, [0] * num_new,
+                        [0.0] * b, [1.0] * b, [-1] * b, [0.0] * b, [-1] * b, [0] * b)
+
+
+def run_both(ours: NativeAttnBackend, ref: TorchAttnBackend, batch: ForwardBatch, loc: torch.Tensor,
+             q_heads: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    head_dim = ours.kv_pool.k_buffer[0].shape[2]
+    t = len(batch.input_ids)
+    q = torch.randn(t, q_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(t, KV_HEADS, head_dim, generator=gen).to(dtype)
+    v = torch.randn(t, KV_HEADS, head_dim, generator=gen).to(dtype)
+    out = ours.forward(q, k, v, 0, ours.init_forward_metadata(batch, loc))
+    expected = ref.forward(q.float(), k.float(), v.float(), 0, ref.init_forward_metadata(batch, loc))
+    assert torch.equal(ours.kv_pool.k_buffer[0][loc], k)  # stored before use
+    assert out.dtype == dtype and out.shape == q.shape
+    return out, expected
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_over_ragged_rows_equals_torch(dtype: torch.dtype, group: int, head_dim: int) -> None:
+    ours, ref, gen = make_pair(dtype, group, head_dim, seed=group * 1000 + head_dim)
+    rows = [4, 1, 5, 3, 2]
+    lens = [LENS[i] for i in (2, 0, 4, 1, 3)]
+    table = ours.req_to_token.table
+    fill_rows(table, rows, lens, gen)
+    loc = torch.tensor([table[r, n - 1].item() for r, n in zip(rows, lens)])
+    out, expected = run_both(ours, ref, make_batch("decode", rows, lens, [], len(rows)), loc,
+                             group * KV_HEADS, dtype, gen)
+    for i in range(len(rows)):
+        assert rel_err(out[i], expected[i]) < TOL[dtype], f"row {i} ({lens[i]} tokens)"
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[2048], [1, 2048], [300, 7]])
+def test_decode_with_kv_splits_equals_torch(dtype: torch.dtype, lens: list[int]) -> None:
+    """Few rows: each row's keys go in splits (some empty: a 1-token row) merged after."""
+    assert native.load().choose_splits(len(lens), KV_HEADS, max(lens)) > 1 or max(lens) < 1024
+    ours, ref, gen = make_pair(dtype, 3, 64, seed=len(lens))
+    rows = list(range(1, len(lens) + 1))
+    table = ours.req_to_token.table
+    fill_rows(table, rows, lens, gen)
+    loc = torch.tensor([table[r, n - 1].item() for r, n in zip(rows, lens)])
+    out, expected = run_both(ours, ref, make_batch("decode", rows, lens, [], len(rows)), loc,
+                             3 * KV_HEADS, dtype, gen)
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_extend_over_prefix_and_causal_tail_equals_torch(dtype: torch.dtype, group: int, head_dim: int) -> None:
+    ours, ref, gen = make_pair(dtype, group, head_dim, seed=7 * group + head_dim)
+    # (prefix, new): no prefix; one new token; tiles of 32 with a ragged last one;
+    # new tokens after a long prefix
+    rows = [3, 1, 5, 2, 4]
+    prefix_lens = [0, 7, 0, 260, 1990]
+    seq_lens = [7, 8, 96, 300, 2048]
+    table = ours.req_to_token.table
+    fill_rows(table, rows, seq_lens, gen)
+    loc = torch.cat([table[r, p:s].long() for r, s, p in zip(rows, seq_lens, prefix_lens)])
+    batch = make_batch("extend", rows, seq_lens, prefix_lens, loc.numel())
+    out, expected = run_both(ours, ref, batch, loc, group * KV_HEADS, dtype, gen)
+    q0 = 0
+    for s, p in zip(seq_lens, prefix_lens):
+        assert rel_err(out[q0:q0 + s - p], expected[q0:q0 + s - p]) < TOL[dtype], f"prefix {p}, {s - p} new"
+        q0 += s - p
+
+
+def test_backend_without_the_op_is_the_torch_path(monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """No compiler or a failed build: one warning, then the torch path."""
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_failure", None)
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    pool = KVPool(64, num_layers=1, num_kv_heads=KV_HEADS, head_dim=64, dtype=torch.float32, device="cpu")
+    table = ReqToTokenTable(num_rows=2, context_len=64, device="cpu")
+    with caplog.at_level(logging.WARNING):
+        backend = create_attention_backend("native", pool, table, 0.125)
+        create_attention_backend("native", pool, table, 0.125)
+    assert backend.op is None
+    lines = [r.getMessage() for r in caplog.records if "native attention op" in r.getMessage()]
+    assert len(lines) == 1 and "no C++ compiler" in lines[0] and "torch" in lines[0]
+    assert isinstance(backend, TorchAttnBackend)
+
+
+@needs_op
+def test_head_dim_without_a_kernel_uses_the_torch_path() -> None:
+    pool = KVPool(64, num_layers=1, num_kv_heads=KV_HEADS, head_dim=48, dtype=torch.float32, device="cpu")
+    table = ReqToTokenTable(num_rows=2, context_len=64, device="cpu")
+    assert create_attention_backend("native", pool, table, 0.125).op is None
+
+
+PROMPTS = [[1, 45, 300, 12, 7, 99, 101], [9, 8], list(range(20, 60))]
+
+
+def greedy_run(runner: Any, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Ragged prefill, decode, an extend after a prefix in the pool (a
+    follow-up turn), decode again; every step's logits."""
+    driver = RunnerDriver(runner)
+    rows = [driver.new_row() for _ in PROMPTS]
+    logits = []
+
+    def step(batch: ForwardBatch) -> list[int]:
+        logits.append(runner.compute_logits(batch))
+        return logits[-1].argmax(-1).tolist()
+
+    out = [[t] for t in step(driver.extend(rows, PROMPTS))]
+    for phase in range(2):
+        for _ in range(steps):
+            for o, t in zip(out, step(driver.decode(rows, [o[-1] for o in out]))):
+                o.append(t)
+        if phase == 0:
+            for o, t in zip(out, step(driver.extend(rows, [[o[-1], 17, 33] for o in out]))):
+                o.append(t)
+    return out, logits
+
+
+@needs_op
+def test_model_greedy_output_with_native_backend_equals_torch_backend(tiny_llama_dir: str,
+                                                                      make_runner: Any) -> None:
+    tokens, logits = {}, {}
+    for name in ("torch", "native"):
+        runner = make_runner(tiny_llama_dir, attention_backend=name)
+        assert type(runner.attn_backend).__name__.lower().startswith(name)
+        tokens[name], logits[name] = greedy_run(runner, steps=6)
+    assert runner.attn_backend.op is not None
+    assert tokens["native"] == tokens["torch"]
+    for ours, ref in zip(logits["native"], logits["torch"]):
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
