@@ -6,6 +6,7 @@ ever pickled: a pickle on a socket is a remote-code-execution hole.
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Union
 
 import msgspec
@@ -13,6 +14,22 @@ import msgspec
 
 # |logit_bias| above this cannot change a choice any more, and keeps logits finite in float32
 MAX_LOGIT_BIAS = 1e9
+
+
+class GrammarKind(enum.Enum):
+    JSON_SCHEMA = "json_schema"  # text: a JSON schema (JSON text)
+    JSON_OBJECT = "json_object"  # any JSON object (OpenAI's response_format json_object); text ""
+    JSON_ANY = "json"  # any JSON value (SGLang's json_schema "$$ANY$$"); text ""
+    REGEX = "regex"
+    EBNF = "ebnf"  # xgrammar's EBNF (GBNF-style, root rule `root`)
+
+
+class Grammar(msgspec.Struct, frozen=True):
+    """A constraint on the output: every token sampled keeps the text a prefix
+    of a string the grammar accepts (scheduler_proc/grammar.py)."""
+
+    kind: GrammarKind
+    text: str = ""
 
 
 class SamplingParams(msgspec.Struct):
@@ -36,6 +53,7 @@ class SamplingParams(msgspec.Struct):
     min_new_tokens: int = 0
     logit_bias: dict[int, float] = {}
     stream_interval: int | None = None  # tokens between streamed chunks (None: --stream-interval)
+    grammar: Grammar | None = None  # structured output: json_schema, regex, ebnf (one at most)
 
     def penalized(self) -> bool:
         """Uses anything the model process must keep per-row state for."""
@@ -201,6 +219,12 @@ class ForwardBatch(msgspec.Struct, tag=True):
     input_logprob_rows: list[int] = []
     input_logprob_starts: list[int] = []
     input_logprob_targets: list[list[int]] = []
+    # Structured output: row `grammar_rows[j]` may sample only the tokens whose
+    # bit is set in row j of `grammar_bitmask`, int32 words little-endian,
+    # ceil(vocab_size / 32) per row, bit t % 32 of word t // 32 for token t
+    # (xgrammar's layout). Filled by the scheduler, which owns the matchers.
+    grammar_rows: list[int] = []
+    grammar_bitmask: bytes = b""
 
 
 class ForwardResult(msgspec.Struct, tag=True):

@@ -20,7 +20,7 @@ from model_proc.dtypes import dtype_name, resolve_dtype
 from model_proc.kv_cache import KVPool, ReqToTokenTable, kv_pool_size
 from model_proc.model import LlamaForCausalLM, ModelConfig
 from model_proc.penalties import PenaltyState
-from model_proc.sampler import Sampler, SamplingBatch
+from model_proc.sampler import Sampler, SamplingBatch, apply_token_bitmask
 from model_proc.step_stats import DecodeStepStats
 from model_proc.weights import load_state_dict, resolve_model_path
 
@@ -94,6 +94,8 @@ class ModelRunner:
             self.penalties.init_rows(batch)
         if batch.penalty_rows:  # in place; logprobs below are of the penalized logits, as SGLang's
             self.penalties.apply(logits, batch)
+        if batch.grammar_rows:  # after the penalties: a disallowed token stays at -inf
+            apply_token_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
         params = SamplingBatch.from_lists(batch.temperatures, batch.top_ps, batch.top_ks,
                                           batch.min_ps, batch.seeds, batch.sample_steps, self.device)
         next_ids = self.sampler(logits, params)
@@ -240,6 +242,11 @@ class ModelRunner:
             self._check_penalties(b, bs)
         if b.input_logprob_rows:
             self._check_input_logprobs(b, bs)
+        if b.grammar_rows:
+            words = (self.model_config.vocab_size + 31) // 32
+            if len(set(b.grammar_rows)) != len(b.grammar_rows) or min(b.grammar_rows) < 0 \
+                    or max(b.grammar_rows) >= bs or len(b.grammar_bitmask) != 4 * words * len(b.grammar_rows):
+                raise ValueError("ForwardBatch: grammar_rows/grammar_bitmask are inconsistent")
 
     def _check_input_logprobs(self, b: ForwardBatch, bs: int) -> None:
         vocab = self.model_config.vocab_size

@@ -16,6 +16,18 @@ GREEDY_EPS = 1e-6
 _MASK64 = (1 << 64) - 1
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: bytes) -> None:
+    """Structured output: in place, -inf for every token of logits row
+    `rows[j]` whose bit is clear in row j of `bitmask` (int32 words, bit t % 32
+    of word t // 32 for token t; ForwardBatch.grammar_bitmask)."""
+    dev = logits.device
+    words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).view(len(rows), -1).to(dev)
+    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32, device=dev)) & 1
+    allowed = bits.view(len(rows), -1)[:, :logits.shape[1]].bool()
+    index = torch.tensor(rows, dtype=torch.int64, device=dev)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
 @dataclass
 class SamplingBatch:
     """Per-row parameters as tensors on the device, built once per step."""

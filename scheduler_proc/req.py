@@ -22,6 +22,10 @@ class Req:
     logprob_start_len: int = -1  # >= 0 (with return_logprob): prompt logprobs from there
     cache_salt: str = ""
     penalized: bool = False  # uses penalties: the model keeps state for its row (PenaltyInit)
+    # structured output (scheduler_proc/grammar.py): the compile in progress,
+    # then the matcher, advanced over every output token
+    grammar_future: Any = None
+    grammar: Any = None  # a grammar.ReqGrammar once compiled
 
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int = 0  # row of req_to_token while resident, 0 when not
@@ -130,7 +134,7 @@ class Req:
     def check_finished(self, context_len: int) -> None:
         """Set finished_reason after a token was appended to output_ids."""
         last = self.output_ids[-1]
-        if last in self.stop_token_ids:
+        if last in self.stop_token_ids or (self.grammar is not None and self.grammar.terminated):
             self.finished_reason = {"type": "stop", "matched": last}
         elif len(self.output_ids) >= self.sampling_params.max_new_tokens:
             self.finished_reason = {"type": "length", "length": len(self.output_ids)}

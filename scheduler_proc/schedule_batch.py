@@ -13,6 +13,7 @@ import torch
 
 from common.messages import FUTURE_TOKEN, ForwardBatch, PenaltyInit
 from scheduler_proc.cache_manager import CacheManager
+from scheduler_proc.grammar import fill_bitmask
 from scheduler_proc.req import Req
 
 # Per-row tensors that filter_batch gathers and merge_batch concatenates.
@@ -39,6 +40,7 @@ class ScheduleBatch:
     top_logprobs_nums: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     return_logprob: bool = False  # some row wants logprobs
     has_penalties: bool = False  # some row uses penalties (else a step never looks for them)
+    has_grammar: bool = False  # some row is constrained by a grammar
     # this step only
     prefix_lens: list[int] = field(default_factory=list)
     input_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
@@ -68,6 +70,7 @@ class ScheduleBatch:
             top_logprobs_nums=torch.tensor([r.top_logprobs_num for r in reqs], dtype=torch.int64),
             return_logprob=any(r.return_logprob for r in reqs),
             has_penalties=any(r.penalized for r in reqs),
+            has_grammar=any(r.grammar is not None for r in reqs),
         )
 
     def __len__(self) -> int:
@@ -87,6 +90,7 @@ class ScheduleBatch:
         self.reqs = [self.reqs[i] for i in keep_indices]
         self.return_logprob = any(r.return_logprob for r in self.reqs)
         self.has_penalties = any(r.penalized for r in self.reqs)
+        self.has_grammar = any(r.grammar is not None for r in self.reqs)
         idx = torch.tensor(keep_indices, dtype=torch.int64)
         for name in ROW_FIELDS:
             setattr(self, name, getattr(self, name).index_select(0, idx))
@@ -96,6 +100,7 @@ class ScheduleBatch:
         self.reqs.extend(other.reqs)
         self.return_logprob = self.return_logprob or other.return_logprob
         self.has_penalties = self.has_penalties or other.has_penalties
+        self.has_grammar = self.has_grammar or other.has_grammar
         for name in ROW_FIELDS:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
 
@@ -201,8 +206,21 @@ class ScheduleBatch:
                 if r.penalized and not r.finished and (decode or seq_lens[i] == r.seq_len)
                 and r.penalizes_next_token()]
 
+    def grammar_rows(self, seq_lens: list[int]) -> list[int]:
+        """Rows whose next token a grammar constrains: not a mid-prompt chunk,
+        nor a finished row computed as padding. Their matchers have seen every
+        token (the scheduler reads a step in flight before building one)."""
+        if not self.has_grammar:
+            return []
+        decode = self.forward_mode == "decode"
+        rows = [i for i, r in enumerate(self.reqs)
+                if r.grammar is not None and not r.finished and (decode or seq_lens[i] == r.seq_len)]
+        assert all(not self.reqs[i].pending_tokens for i in rows), "a grammar row with a token in flight"
+        return rows
+
     def to_forward_batch(self) -> ForwardBatch:
         seq_lens = self.seq_lens.tolist()
+        grammar_rows = self.grammar_rows(seq_lens)
         return ForwardBatch(
             forward_mode=self.forward_mode,
             req_pool_indices=self.req_pool_indices.tolist(),
@@ -222,4 +240,6 @@ class ScheduleBatch:
             penalty_rows=self.penalty_rows(seq_lens), penalty_inits=self.penalty_inits,
             input_logprob_rows=self.input_logprob_rows, input_logprob_starts=self.input_logprob_starts,
             input_logprob_targets=self.input_logprob_targets,
+            grammar_rows=grammar_rows,
+            grammar_bitmask=fill_bitmask([self.reqs[i].grammar for i in grammar_rows]) if grammar_rows else b"",
         )

@@ -15,6 +15,7 @@ from common.messages import (MAX_LOGIT_BIAS, AbortReq, BatchTokenOut, ForwardRes
                              ToTokenizerMsg)
 from common.server_args import ServerArgs
 from scheduler_proc.cache_manager import CacheManager
+from scheduler_proc.grammar import GrammarBackend, ReqGrammar
 from scheduler_proc.model_client import LocalModel, ModelClient, as_model_client
 from scheduler_proc.policy import order_waiting_queue
 from scheduler_proc.prefill_adder import PrefillAdder
@@ -75,6 +76,11 @@ class Scheduler:
         self.invariant_error: str | None = None  # set when the idle check finds the accounts off
 
         self.waiting_queue: deque[Req] = deque()
+        # requests whose grammar is compiling (structured output); they join
+        # the waiting queue when it is done
+        self.grammar_queue: list[Req] = []
+        self.grammar_backend = GrammarBackend(model_info.tokenizer_path, model_info.vocab_size,
+                                              model_info.eos_token_ids)
         self.running_batch: ScheduleBatch | None = None
         self.last_batch: ScheduleBatch | None = None
         self.chunked_req: Req | None = None  # mid-way through a chunked prefill
@@ -141,7 +147,7 @@ class Scheduler:
             return
         error = self.validate(req)
         if error is None and self.args.max_queued_requests is not None \
-                and len(self.waiting_queue) >= self.args.max_queued_requests:
+                and len(self.waiting_queue) + len(self.grammar_queue) >= self.args.max_queued_requests:
             error = f"the queue is full ({self.args.max_queued_requests} requests waiting)"
             req.abort(error, status_code=QUEUE_FULL_STATUS)
         elif error is not None:
@@ -152,7 +158,32 @@ class Scheduler:
             self.stream_output([req])
             return
         self.reqs_by_rid[req.rid] = req
-        self.waiting_queue.append(req)
+        if req.sampling_params.grammar is not None:
+            req.grammar_future = self.grammar_backend.compile(req.sampling_params.grammar)
+            self.grammar_queue.append(req)
+        else:
+            self.waiting_queue.append(req)
+
+    def move_compiled_grammar_reqs(self) -> None:
+        """Requests whose grammar compiled join the waiting queue (in arrival
+        order); one whose grammar failed to compile is refused."""
+        if not self.grammar_queue:
+            return
+        still: list[Req] = []
+        for req in self.grammar_queue:
+            if not req.grammar_future.done():
+                still.append(req)
+                continue
+            error = req.grammar_future.exception()
+            if error is not None:
+                req.abort(f"invalid grammar: {error}", status_code=BAD_REQUEST_STATUS)
+                self.reqs_by_rid.pop(req.rid, None)
+                self.stream_output([req])
+                continue
+            req.grammar = ReqGrammar(req.grammar_future.result())
+            req.grammar_future = None
+            self.waiting_queue.append(req)
+        self.grammar_queue = still
 
     def validate(self, req: Req) -> str | None:
         """The tokenizer process already checks these; a scheduler never trusts a peer."""
@@ -172,6 +203,8 @@ class Scheduler:
                            for t, b in sp.logit_bias.items()) \
                 or (sp.stream_interval is not None and sp.stream_interval < 1):
             return "penalties, logit_bias, min_new_tokens or stream_interval out of range"
+        if sp.grammar is not None and sp.min_new_tokens > 0:
+            return "min_new_tokens cannot be combined with a grammar (json_schema, regex, ebnf)"
         if not -1 <= req.logprob_start_len < n:
             return f"logprob_start_len ({req.logprob_start_len}) must be -1 or below the prompt length ({n})"
         if n + max_new > self.context_len:
@@ -194,6 +227,8 @@ class Scheduler:
             req.finished_reason = {"type": "stop", "matched": stop_matched}
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
+        if req in self.grammar_queue:
+            self.grammar_queue.remove(req)
         if req is self.chunked_req:
             self.chunked_req = None
         # Static batching keeps a finished row's KV as padding until the batch
@@ -532,6 +567,10 @@ class Scheduler:
             self.total_row_steps += 1
             self.useful_row_steps += 1
             req.output_ids.append(token)
+            if req.grammar is not None and not req.grammar.accept(token):
+                # the step's mask allows only what the matcher accepts: a bug
+                logger.error("request %s: the grammar rejected sampled token %d", req.rid, token)
+                req.abort("internal error: the grammar rejected a sampled token")
             if not req.first_token_time:
                 req.first_token_time = time.time()
                 self.timeline.request(req.rid, "first_token", t=req.first_token_time)
@@ -540,7 +579,8 @@ class Scheduler:
                 if req.top_logprobs_num:
                     req.output_top_logprobs.append(
                         list(zip(result.top_logprob_vals[i], result.top_logprob_ids[i])))
-            req.check_finished(self.context_len)
+            if not req.finished:
+                req.check_finished(self.context_len)
             if req.finished:
                 if static:  # the row stays as padding; the rid is free for reuse
                     self.reqs_by_rid.pop(req.rid, None)
@@ -623,6 +663,12 @@ class Scheduler:
         step t+1, then read and process step t's result while the model runs
         t+1, so the scheduler's own work hides behind the forward. With nothing
         new to send, every result still out is processed."""
+        self.move_compiled_grammar_reqs()
+        if self.inflight and any(r.grammar is not None and not r.finished
+                                 for step in self.inflight for r in step.reqs):
+            # a constrained row's next mask needs the token in flight: this
+            # step runs without overlap (see scheduler_proc/grammar.py)
+            self.resolve_inflight()
         batch = self.get_next_batch_to_run()
         if batch is None and self.inflight:
             # nothing to send until the step out is processed (its finished rows
@@ -646,7 +692,7 @@ class Scheduler:
         self.invariant_error = error
 
     def is_idle(self) -> bool:
-        return not self.waiting_queue and self.running_batch is None and \
+        return not self.waiting_queue and not self.grammar_queue and self.running_batch is None and \
             self.chunked_req is None and not self.inflight and \
             (self.last_batch is None or self.last_batch.forward_mode != "extend")
 
@@ -682,6 +728,7 @@ class Scheduler:
             "batching": self.args.batching,
             "num_running_reqs": len(self.running_batch) if self.running_batch else 0,
             "num_waiting_reqs": len(self.waiting_queue),
+            "num_grammar_queue_reqs": len(self.grammar_queue),  # waiting for their grammar to compile
             # admitted, part of its prompt in the pool, the rest still to prefill:
             # neither in the running batch nor waiting
             "num_chunked_prefill_reqs": 0 if self.chunked_req is None else 1,

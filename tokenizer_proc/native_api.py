@@ -17,6 +17,7 @@ from aiohttp import web
 from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, TOKENIZER
 from tokenizer_proc.errors import json_response
 from tokenizer_proc.generation import Generation
+from tokenizer_proc.grammar import check_grammars
 from tokenizer_proc.logprobs import TokenTexts, native_token_logprobs, native_top_logprobs
 from tokenizer_proc.middlewares import read_body
 from tokenizer_proc.protocol import GenerateInput, parse_generate_request
@@ -30,6 +31,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     arrival = time.perf_counter()  # e2e latency includes reading and tokenizing
     body = parse_json_object(await read_body(request))
     inp = parse_generate_request(body, tokenizer, info.context_len, info.vocab_size)
+    await check_grammars([spec.sampling_params.grammar for spec in inp.specs])
     gen = Generation(request.app[MANAGER], tokenizer, inp.specs, inp.stream, arrival)
     gen.submit()
     try:

@@ -18,6 +18,7 @@ from aiohttp import web
 from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, SERVER_ARGS, TOKENIZER
 from tokenizer_proc.errors import BadRequestError, ServiceUnavailableError, json_response
 from tokenizer_proc.generation import Generation
+from tokenizer_proc.grammar import check_grammars
 from tokenizer_proc.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from tokenizer_proc.middlewares import read_body
 from tokenizer_proc.openai_protocol import OpenAIInput, parse_chat_request, parse_completion_request
@@ -64,6 +65,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     arrival = time.perf_counter()
     body = parse_json_object(await read_body(request))
     inp = (parse_chat_request if chat else parse_completion_request)(body, tokenizer, info)
+    await check_grammars([spec.sampling_params.grammar for spec in inp.specs])
     shaper = (ChatShaper if chat else CompletionShaper)(inp, served_model_name(request.app),
                                                         TokenTexts(tokenizer))
     gen = Generation(request.app[MANAGER], tokenizer, inp.specs, inp.stream, arrival)

@@ -2,8 +2,8 @@
 
 Lenient where OpenAI clients are noisy (unknown fields such as `user` or
 `metadata` are ignored, as SGLang and vLLM do), strict where a setting would
-change the answer: a feature we do not implement (tools, structured
-output, ...) is refused with a 400 that names the field and why, rather than
+change the answer: a feature we do not implement (tools, structural
+tags, ...) is refused with a 400 that names the field and why, rather than
 silently ignored. The field list is `sglang_fields.OPENAI_FIELDS`; SGLang's
 (and vLLM's) extras are taken too (`top_k`, `min_p`, `min_tokens`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `stop_regex`,
@@ -17,8 +17,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.messages import ModelInfo, SamplingParams
+from common.messages import Grammar, ModelInfo, SamplingParams
 from tokenizer_proc.errors import BadRequestError
+from tokenizer_proc.grammar import grammar_from_fields, grammar_from_response_format
 from tokenizer_proc.protocol import MAX_N, MAX_OUTPUTS, check_fits_context, check_prompt_ids, validate_sampling_params
 from tokenizer_proc.request_spec import RequestSpec, fan_out_rids, seed_for_sample
 from tokenizer_proc.sglang_fields import OPENAI_FIELDS, check_fields
@@ -76,10 +77,21 @@ def _sampling(body: dict[str, Any], max_tokens: int, vocab_size: int) -> Samplin
         repetition_penalty=optional(body, "repetition_penalty", check_number, 1.0),
         min_new_tokens=optional(body, "min_tokens", check_int, 0),
         logit_bias=optional(body, "logit_bias", lambda k, v: check_logit_bias(k, v, MAX_LOGIT_BIAS), {}),
+        grammar=_grammar(body),
     )
     validate_sampling_params(sp, vocab_size=vocab_size,
                              names={"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens"})
     return sp
+
+
+def _grammar(body: dict[str, Any]) -> Grammar | None:
+    """response_format, or SGLang's json_schema / regex / ebnf: one at most."""
+    from_format = grammar_from_response_format(body.get("response_format"))
+    from_fields = grammar_from_fields(body)
+    if from_format is not None and from_fields is not None:
+        raise BadRequestError("response_format and json_schema/regex/ebnf are mutually exclusive: "
+                              "one grammar per request")
+    return from_format or from_fields
 
 
 def _max_tokens(body: dict[str, Any], default: int | None) -> int | None:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from common.messages import MAX_LOGIT_BIAS, SamplingParams
 from tokenizer_proc.errors import BadRequestError
+from tokenizer_proc.grammar import grammar_from_fields
 from tokenizer_proc.request_spec import RequestSpec, fan_out_rids, seed_for_sample
 from tokenizer_proc.sglang_fields import GENERATE_FIELDS, SAMPLING_FIELDS, check_fields
 from tokenizer_proc.tokenizer import Tokenizer
@@ -89,6 +90,7 @@ def parse_sampling_params(obj: Any, vocab_size: int | None = None) -> SamplingIn
         if kwargs.get("seed", seed) != seed:
             raise BadRequestError("sampling_params.seed and sampling_params.sampling_seed differ")
         kwargs["seed"] = seed
+    kwargs["grammar"] = grammar_from_fields(obj, "sampling_params.")
     sp = SamplingParams(**kwargs)
     validate_sampling_params(sp, "sampling_params.", vocab_size)
 
@@ -133,6 +135,10 @@ def validate_sampling_params(sp: SamplingParams, prefix: str = "", vocab_size: i
         max_name = (names or {}).get("max_new_tokens", "max_new_tokens")
         raise BadRequestError(f"{name('min_new_tokens')} must be in [0, {max_name}] "
                               f"(here [0, {sp.max_new_tokens}])")
+    if sp.grammar is not None and sp.min_new_tokens > 0:
+        # the grammar may allow only the stop token, which min_new_tokens forbids
+        raise BadRequestError(f"{name('min_new_tokens')} cannot be combined with a grammar "
+                              "(json_schema, regex, ebnf, response_format)")
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in sp.logit_bias):
         raise BadRequestError(f"{prefix}logit_bias: token ids must be in [0, {vocab_size})")
     if sp.stream_interval is not None and not 1 <= sp.stream_interval <= MAX_TOKEN_ID:

@@ -52,7 +52,9 @@ TEXT_ONLY = _default("this server serves text models: no image, video or audio i
 NO_LORA = _default("LoRA adapters are not supported")
 NO_DISAGG = _default("prefill/decode disaggregation is not supported")
 ONE_DP_RANK = _default("this server has one data-parallel rank, 0", 0)
-NO_GRAMMAR = _default("constrained decoding (json_schema, regex, ebnf, structural_tag) is not supported")
+NO_STRUCTURAL_TAG = _default("structural tags are not supported (json_schema, regex and ebnf are)")
+VLLM_GUIDED = _default("vLLM's guided decoding fields are not supported: use response_format, "
+                       "or SGLang's json_schema, regex or ebnf")
 NO_CUSTOM_LOGITS = _default("custom logit processors are not supported")
 SGLANG_INTERNAL = _default("internal to SGLang: set by the server, not by clients")
 
@@ -114,7 +116,8 @@ SAMPLING_FIELDS: dict[str, Rule] = {
     "skip_special_tokens": _impl(), "stream_interval": _impl(),
     "sampling_seed": _impl("SGLang's name for seed"), "seed": _impl("this server's name, kept"),
     "spaces_between_special_tokens": _default("special tokens are decoded as the tokenizer does", True),
-    "json_schema": NO_GRAMMAR, "regex": NO_GRAMMAR, "ebnf": NO_GRAMMAR, "structural_tag": NO_GRAMMAR,
+    "json_schema": _impl("a JSON schema (JSON text; \"$$ANY$$\": any JSON value)"),
+    "regex": _impl(), "ebnf": _impl("xgrammar's EBNF, root rule `root`"), "structural_tag": NO_STRUCTURAL_TAG,
     "custom_params": NO_CUSTOM_LOGITS,
     "stop_strs": SGLANG_INTERNAL, "stop_regex_strs": SGLANG_INTERNAL,
     "stop_str_max_len": _default(SGLANG_INTERNAL.reason, 0),
@@ -143,8 +146,11 @@ OPENAI_FIELDS: dict[str, Rule] = {
     "functions": _default("tool calling is not supported"),
     "function_call": _default("tool calling is not supported", "none"),
     "tool_choice": _default("tool calling is not supported", "none", "auto"),
-    "response_format": _default("structured output is not supported", {"type": "text"}),
-    "json_schema": NO_GRAMMAR, "regex": NO_GRAMMAR, "ebnf": NO_GRAMMAR,
+    "response_format": _impl("text, json_object, json_schema (structural_tag is a 400)"),
+    "json_schema": _impl("SGLang's"), "regex": _impl("SGLang's"), "ebnf": _impl("SGLang's"),
+    "structural_tag": NO_STRUCTURAL_TAG,
+    "guided_json": VLLM_GUIDED, "guided_regex": VLLM_GUIDED, "guided_choice": VLLM_GUIDED,
+    "guided_grammar": VLLM_GUIDED, "guided_decoding_backend": VLLM_GUIDED, "structured_outputs": VLLM_GUIDED,
     "audio": _default("audio output is not supported"),
     "lora_path": NO_LORA,
     "session_params": _default("sessions (continual prompting) are not supported"),

@@ -138,8 +138,14 @@ def test_an_openai_field_we_cannot_honour_is_a_400_naming_it(server: Server, nam
     ({"text": "hi", "image_data": "http://x/y.png"}, "this server serves text models"),
     ({"text": "hi", "return_hidden_states": True}, "hidden states are not returned"),
     ({"text": "hi", "routed_dp_rank": 1}, "one data-parallel rank"),
-    ({"text": "hi", "sampling_params": {"json_schema": "{}"}}, "constrained decoding"),
-], ids=["lora", "lora-list", "image", "hidden", "dp-rank", "json_schema"])
+    ({"text": "hi", "sampling_params": {"structural_tag": "{}"}}, "structural tags are not supported"),
+    ({"text": "hi", "sampling_params": {"json_schema": "{}", "regex": "a"}}, "mutually exclusive"),
+    ({"text": "hi", "sampling_params": {"regex": "(a"}}, "invalid regex"),
+    ({"text": "hi", "sampling_params": {"json_schema": '{"type": "objekt"}'}}, "invalid json_schema"),
+    ({"text": "hi", "sampling_params": {"ebnf": "root ::= "}}, "invalid ebnf"),
+    ({"text": "hi", "sampling_params": {"regex": "a", "min_new_tokens": 1}}, "cannot be combined with a grammar"),
+], ids=["lora", "lora-list", "image", "hidden", "dp-rank", "structural_tag", "two-grammars", "bad-regex",
+        "bad-schema", "bad-ebnf", "min_new_tokens"])
 def test_refusals_say_why(server: Server, body: dict, reason: str) -> None:
     status, _, raw = post(server, body)
     assert status == 400 and reason in json.loads(raw)["error"]["message"]

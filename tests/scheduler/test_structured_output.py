@@ -1,0 +1,190 @@
+"""Structured output on the real model (scheduler + model runner in one
+process): seeded random JSON schemas, regexes and an EBNF grammar, greedy and
+sampled, in a busy batch whose KV pool is small enough to retract rows; every
+output parses and validates. Grammars compile off the loop: a request waiting
+for its grammar holds up nobody."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from typing import Any
+
+import jsonschema
+import pytest
+import regex
+
+from common.messages import Grammar, GrammarKind, SamplingParams, TokenizedGenerateReq
+from scheduler_proc.grammar import GrammarBackend
+from tests.scheduler.test_engine_matches_transformers import Engine
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
+    """An object schema: nested objects, arrays, enums, numbers, booleans,
+    strings, some fields required. Strings, arrays and numbers are bounded
+    (xgrammar enforces maxLength, maxItems and numeric ranges), so that every
+    answer, sampled too, fits in max_new_tokens."""
+    def value(d: int) -> dict[str, Any]:
+        kinds = ["string", "integer", "number", "boolean", "enum", "array"] + (["object"] if d < 2 else [])
+        kind = rng.choice(kinds)
+        if kind == "string":
+            return {"type": "string", "maxLength": rng.randint(3, 16)}
+        if kind == "integer":
+            lo = rng.randint(-50, 50)
+            return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(1, 500)}
+        if kind == "number":
+            return {"type": "number", "minimum": -1000, "maximum": 1000}
+        if kind == "boolean":
+            return {"type": "boolean"}
+        if kind == "enum":
+            return {"enum": rng.sample(["red", "green", "blue", "cat", "dog", 1, 2, True, None], rng.randint(2, 4))}
+        if kind == "array":
+            return {"type": "array", "items": value(d + 1), "maxItems": rng.randint(1, 3)}
+        return random_schema(rng, d + 1)
+
+    names = rng.sample(["name", "age", "city", "score", "tags", "ok", "kind", "size", "info", "id"],
+                       rng.randint(1, 4 if depth == 0 else 2))
+    props = {n: value(depth) for n in names}
+    return {"type": "object", "properties": props,
+            "required": [n for n in names if rng.random() < 0.7],
+            "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def chat(default_model_dir: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+
+    def ids(question: str) -> list[int]:
+        text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                       tokenize=False)
+        return tok.encode(text, add_special_tokens=False)
+    ids.decode = lambda toks: tok.decode(toks, skip_special_tokens=True)  # type: ignore[attr-defined]
+    return ids
+
+
+def step_until_idle(engine: Engine, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not engine.sched.is_idle():
+        assert time.monotonic() < deadline, "the scheduler never went idle"
+        if engine.sched.step() is None:
+            time.sleep(0.001)  # a grammar is compiling: nothing to run yet
+
+
+def run_all(engine: Engine, reqs: list[tuple[str, list[int], SamplingParams]]) -> dict[str, Any]:
+    for rid, prompt, sp in reqs:
+        engine.sched.process_input_requests([TokenizedGenerateReq(rid=rid, input_ids=prompt,
+                                                                  sampling_params=sp)])
+        engine.reqs[rid] = engine.sched.reqs_by_rid[rid]
+    step_until_idle(engine)
+    engine.assert_no_leak()
+    return {rid: engine.reqs[rid] for rid, _, _ in reqs}
+
+
+def test_random_json_schemas_always_give_valid_json_in_a_busy_batch_with_retraction(default_model_dir, chat):
+    rng = random.Random(14)
+    schemas = [random_schema(rng) for _ in range(20)]
+    reqs = []
+    for i, schema in enumerate(schemas):
+        prompt = chat(f"Reply with a JSON object with the fields {', '.join(schema['properties'])}.")
+        grammar = Grammar(GrammarKind.JSON_SCHEMA, json.dumps(schema))
+        reqs.append((f"greedy-{i}", prompt, SamplingParams(max_new_tokens=256, temperature=0.0, grammar=grammar)))
+        reqs.append((f"sampled-{i}", prompt, SamplingParams(max_new_tokens=256, temperature=1.0, seed=i,
+                                                            grammar=grammar)))
+    # 40 rows of ~45-token prompts (~30 tokens of them shared) in a pool of
+    # 650 slots, admitted as if answers were short: they start, outgrow the
+    # pool, and rows are retracted and recomputed
+    engine = Engine(default_model_dir, ignore_eos=False, dtype="bfloat16", max_running_requests=40,
+                    max_total_tokens=650, schedule_conservativeness=0.01)
+    out = run_all(engine, reqs)
+    assert engine.sched.total_retractions > 0
+    for rid, _, sp in reqs:
+        req = out[rid]
+        text = chat.decode(req.output_ids)
+        assert req.finished_reason["type"] == "stop", (rid, req.finished_reason, text)
+        doc = json.loads(text)
+        jsonschema.validate(doc, json.loads(sp.grammar.text))
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+def test_regex_and_ebnf_outputs_match_in_full_and_overlap_changes_nothing(default_model_dir, chat, overlap):
+    cases = [
+        ("phone", "Give me a phone number.", r"\(\d{3}\) \d{3}-\d{4}"),
+        ("date", "When did the war end?", r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"),
+        ("yesno", "Is the sky blue?", r"(Yes|No), because [a-z ]{5,40}\."),
+        ("email", "Write an email address.", r"[a-z]{3,10}@[a-z]{3,10}\.(com|org)"),
+    ]
+    ebnf = 'root ::= "The answer is " animal "."\nanimal ::= "cat" | "dog" | "fish"'
+    reqs = []
+    for name, question, pattern in cases:
+        for t in (0.0, 0.8):
+            reqs.append((f"{name}-{t}", chat(question), SamplingParams(
+                max_new_tokens=64, temperature=t, seed=7, grammar=Grammar(GrammarKind.REGEX, pattern))))
+    reqs.append(("ebnf", chat("Name a pet."), SamplingParams(max_new_tokens=32, temperature=0.0,
+                                                             grammar=Grammar(GrammarKind.EBNF, ebnf))))
+    reqs.append(("free", chat("Name a pet."), SamplingParams(max_new_tokens=12, temperature=0.0)))
+    engine = Engine(default_model_dir, ignore_eos=False, dtype="bfloat16", max_running_requests=6,
+                    disable_overlap_schedule=not overlap)
+    out = run_all(engine, reqs)
+    texts = {rid: chat.decode(r.output_ids) for rid, r in out.items()}
+    for name, _, pattern in cases:
+        for t in (0.0, 0.8):
+            assert regex.fullmatch(pattern, texts[f"{name}-{t}"]), (name, t, texts[f"{name}-{t}"])
+    assert regex.fullmatch(r"The answer is (cat|dog|fish)\.", texts["ebnf"]), texts["ebnf"]
+    assert out["free"].finished_reason == {"type": "length", "length": 12}  # unconstrained, beside them
+    # the same answers with and without overlap (greedy, and seeded sampling)
+    key = tuple(sorted((rid, tuple(r.output_ids)) for rid, r in out.items()))
+    if _OUTPUTS.setdefault("regex", key) != key:
+        pytest.fail("overlap and plain loops gave different constrained outputs")
+
+
+_OUTPUTS: dict[str, Any] = {}
+
+
+def test_a_request_waiting_for_its_grammar_holds_up_nobody(default_model_dir, chat, monkeypatch):
+    gate = threading.Event()
+    real_compile = GrammarBackend._compile
+
+    def slow_compile(self, grammar):
+        assert gate.wait(60)
+        return real_compile(self, grammar)
+
+    monkeypatch.setattr(GrammarBackend, "_compile", slow_compile)
+    engine = Engine(default_model_dir, ignore_eos=True, dtype="bfloat16", max_running_requests=4)
+    sched = engine.sched
+    grammar = Grammar(GrammarKind.REGEX, r"[0-9]{4}")
+    sched.process_input_requests([
+        TokenizedGenerateReq(rid="constrained", input_ids=chat("A year?"),
+                             sampling_params=SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True,
+                                                            grammar=grammar)),
+        TokenizedGenerateReq(rid="plain", input_ids=chat("Hello"),
+                             sampling_params=SamplingParams(max_new_tokens=6, temperature=0.0))])
+    constrained, plain = sched.reqs_by_rid["constrained"], sched.reqs_by_rid["plain"]
+    for _ in range(50):
+        sched.step()
+        if plain.finished:
+            break
+    assert plain.finished_reason == {"type": "length", "length": 6}  # ran to the end meanwhile
+    assert constrained in sched.grammar_queue and not constrained.output_ids
+    assert not sched.is_idle() and sched.state()["num_grammar_queue_reqs"] == 1
+    gate.set()
+    step_until_idle(engine)
+    assert regex.fullmatch(r"[0-9]{4}", chat.decode(constrained.output_ids)), constrained.output_ids
+    assert constrained.finished_reason["type"] == "stop"  # ignore_eos: ended by the grammar
+    engine.assert_no_leak()
+
+
+def test_a_grammar_that_fails_to_compile_fails_only_its_request(default_model_dir, chat):
+    engine = Engine(default_model_dir, ignore_eos=True, dtype="bfloat16")
+    sent = []
+    engine.sched.send_output = sent.append
+    reqs = [("bad", chat("x"), SamplingParams(max_new_tokens=4, grammar=Grammar(GrammarKind.REGEX, "(unclosed"))),
+            ("good", chat("x"), SamplingParams(max_new_tokens=4, temperature=0.0))]
+    out = run_all(engine, reqs)
+    assert out["bad"].finished_reason["type"] == "abort"
+    assert out["bad"].finished_reason["status_code"] == 400
+    assert "invalid grammar" in out["bad"].finished_reason["message"]
+    assert out["good"].finished_reason == {"type": "length", "length": 4}
