@@ -1,0 +1,102 @@
+"""Structured output against the real server, as a user tries it: the `openai`
+client's response_format (json_schema, json_object), SGLang's /generate
+json_schema and regex, streamed and not, and the 400s for grammars that do
+not parse, beside ordinary requests that keep being served."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import jsonschema
+import openai
+import pytest
+import regex
+import requests
+
+from tests.e2e.server_process import ServerProcess
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "languages": {"type": "array", "items": {"enum": ["English", "French", "German", "Spanish"]}, "maxItems": 3}},
+    "required": ["name", "age", "languages"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--max-running-requests", "8")
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+
+
+def test_openai_response_format_json_schema_gives_valid_json(client):
+    for temperature in (0.0, 1.0):
+        reply = client.chat.completions.create(
+            model="any", temperature=temperature, seed=3, max_tokens=120,
+            messages=[{"role": "user", "content": "Describe a French scientist as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_openai_json_object_and_streamed_completion(client):
+    reply = client.chat.completions.create(
+        model="any", temperature=0.0, max_tokens=200,
+        messages=[{"role": "user", "content": "Give a JSON object with a city and its country."}],
+        response_format={"type": "json_object"})
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    # completions, streamed, SGLang's regex through extra_body
+    stream = client.completions.create(model="any", prompt="The year the war ended:", max_tokens=16,
+                                       temperature=0.0, stream=True, extra_body={"regex": r"(19|20)\d\d"})
+    text = "".join(chunk.choices[0].text for chunk in stream)
+    assert regex.fullmatch(r"(19|20)\d\d", text), text
+
+
+def test_generate_json_schema_and_regex_beside_free_requests(server):
+    bodies = [
+        {"text": "A person, as JSON:", "sampling_params": {"max_new_tokens": 120, "temperature": 0.7, "seed": 1,
+                                                           "json_schema": json.dumps(PERSON)}},
+        {"text": "Call me at", "sampling_params": {"max_new_tokens": 24, "temperature": 0.0,
+                                                   "regex": r" \(\d{3}\) \d{3}-\d{4}"}},
+        {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 24, "temperature": 0.0,
+                                                         "ignore_eos": True}},
+        {"text": "A person, as JSON:", "stream": True,
+         "sampling_params": {"max_new_tokens": 120, "temperature": 0.0, "json_schema": json.dumps(PERSON)}},
+    ]
+
+    def post(body):
+        r = requests.post(server.url + "/generate", json=body, timeout=300, stream=body.get("stream", False))
+        assert r.status_code == 200, r.text
+        if not body.get("stream"):
+            return r.json()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith(b"data: {")]
+        return events[-1]
+
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        person, phone, free, streamed = pool.map(post, bodies)
+    jsonschema.validate(json.loads(person["text"]), PERSON)
+    assert regex.fullmatch(r" \(\d{3}\) \d{3}-\d{4}", phone["text"]), phone["text"]
+    assert free["meta_info"]["finish_reason"] == {"type": "length", "length": 24}
+    jsonschema.validate(json.loads(streamed["text"]), PERSON)
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"text": "x", "sampling_params": {"regex": "(unclosed"}}, "invalid regex"),
+    ({"text": "x", "sampling_params": {"json_schema": "{\"type\": 5}"}}, "invalid json_schema"),
+    ({"text": "x", "sampling_params": {"ebnf": "root ::= missing"}}, "invalid ebnf"),
+    ({"text": "x", "sampling_params": {"regex": "a", "json_schema": "{}"}}, "mutually exclusive"),
+    ({"text": "x", "sampling_params": {"structural_tag": "{}"}}, "structural tags are not supported"),
+], ids=["regex", "json_schema", "ebnf", "two", "structural_tag"])
+def test_a_grammar_that_does_not_parse_is_a_400_and_the_server_keeps_serving(server, body, message):
+    r = requests.post(server.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    ok = requests.post(server.url + "/generate", timeout=120,
+                       json={"text": "Hi", "sampling_params": {"max_new_tokens": 2, "regex": "[a-z]+"}})
+    assert ok.status_code == 200 and regex.fullmatch("[a-z]+", ok.json()["text"]), ok.text
