@@ -317,6 +317,7 @@ def finish(results: list[RequestResult], duration: float, start: float, tokenize
         "latencies": [r.latency for r in results],
         "itls": [r.itl for r in results],
         "errors": [r.error for r in results],
+        "generated_texts": [r.generated_text for r in results],
     })
     return out
 
