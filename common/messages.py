@@ -78,6 +78,9 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     # requests with different salts never share cached prefixes (a shared
     # prefix cache is a timing side channel between tenants)
     cache_salt: str = ""
+    # seconds from arrival after which the request ends as an abort, wherever
+    # it is (None: --request-timeout-s, if set)
+    timeout_s: float | None = None
 
 
 class AbortReq(msgspec.Struct, tag=True):

@@ -29,6 +29,11 @@ def default_model_path() -> str:
     return ""
 
 
+def _env_float(name: str) -> float | None:
+    value = os.environ.get(name)
+    return float(value) if value else None
+
+
 @dataclass
 class ServerArgs:
     # model
@@ -54,6 +59,10 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     max_queued_requests: int | None = None
+    # a request not yet admitted after this long gets HTTP 503 (SGLang's SGLANG_QUEUED_TIMEOUT_MS)
+    queue_timeout_ms: float | None = None
+    # every request's deadline unless it sets its own `timeout`: past it, it ends as an abort
+    request_timeout_s: float | None = None
     batching: str = "continuous"  # continuous | static | dynamic
     batch_timeout_ms: float = 50.0  # dynamic batching: launch a partial batch after this
     stream_interval: int = 1
@@ -102,6 +111,10 @@ class ServerArgs:
             raise ValueError("--schedule-conservativeness must be > 0")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
+        if self.queue_timeout_ms is not None and self.queue_timeout_ms <= 0:
+            raise ValueError("--queue-timeout-ms must be > 0")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError("--request-timeout-s must be > 0")
         if self.shutdown_timeout < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
         if self.batch_timeout_ms < 0:
@@ -155,6 +168,12 @@ class ServerArgs:
                             help="scales new_token_ratio: higher admits fewer requests")
         parser.add_argument("--max-queued-requests", type=int, default=None,
                             help="beyond this many waiting requests, new ones get HTTP 503")
+        parser.add_argument("--queue-timeout-ms", type=float, default=_env_float("SGLANG_QUEUED_TIMEOUT_MS"),
+                            help="a request still waiting for its first prefill after this long gets "
+                                 "HTTP 503 'request queue timeout' (default: $SGLANG_QUEUED_TIMEOUT_MS, else none)")
+        parser.add_argument("--request-timeout-s", type=float, default=None,
+                            help="deadline of every request that sets no `timeout` of its own: past it, "
+                                 "it finishes as an abort ('deadline exceeded') and its KV is freed")
         parser.add_argument("--batching", default=d["batching"].default,
                             choices=["continuous", "static", "dynamic"],
                             help="static and dynamic are baselines for the batching study")

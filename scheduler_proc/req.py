@@ -21,6 +21,7 @@ class Req:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0 (with return_logprob): prompt logprobs from there
     cache_salt: str = ""
+    deadline: float | None = None  # time.time() after which it ends as an abort
     penalized: bool = False  # uses penalties: the model keeps state for its row (PenaltyInit)
     # structured output (scheduler_proc/grammar.py): the compile in progress,
     # then the matcher, advanced over every output token

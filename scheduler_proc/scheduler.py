@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections import deque
@@ -37,7 +38,7 @@ RETRACT_DECODE_STEPS = 20
 # a waiting request that shares at least this many uncached tokens with one
 # admitted to the prefill being built waits for the next (SGLang's threshold)
 IN_BATCH_PREFIX_MIN = 32
-QUEUE_FULL_STATUS = 503
+QUEUE_FULL_STATUS = 503  # also a queue timeout: the client may retry
 BAD_REQUEST_STATUS = 400  # refused at admission: the request can never run here
 
 
@@ -87,6 +88,10 @@ class Scheduler:
         self.reqs_by_rid: dict[str, Req] = {}  # every request not yet finished
         self.num_consecutive_prefill = 0
         self.timeline = Timeline()
+        # time bounds, earliest first: (time.time(), rid); an entry whose
+        # request finished (or whose rid was reused) is dropped when it comes up
+        self.deadlines: list[tuple[float, str]] = []  # request deadlines
+        self.queue_deadlines: list[tuple[float, str]] = []  # --queue-timeout-ms
 
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
@@ -158,6 +163,12 @@ class Scheduler:
             self.stream_output([req])
             return
         self.reqs_by_rid[req.rid] = req
+        timeout = msg.timeout_s if msg.timeout_s is not None else self.args.request_timeout_s
+        if timeout is not None:
+            req.deadline = req.arrival_time + timeout
+            heapq.heappush(self.deadlines, (req.deadline, req.rid))
+        if self.args.queue_timeout_ms is not None:
+            heapq.heappush(self.queue_deadlines, (req.arrival_time + self.args.queue_timeout_ms / 1000, req.rid))
         if req.sampling_params.grammar is not None:
             req.grammar_future = self.grammar_backend.compile(req.sampling_params.grammar)
             self.grammar_queue.append(req)
@@ -225,6 +236,29 @@ class Scheduler:
             req.abort("aborted by the client")
         else:  # a stop: its tokens are as good as any finished request's, and cached
             req.finished_reason = {"type": "stop", "matched": stop_matched}
+        self.end_request(req)
+
+    def expire_requests(self, now: float) -> None:
+        """Requests past their deadline end as aborts, wherever they are;
+        requests still waiting for their first prefill after
+        --queue-timeout-ms are refused with a 503."""
+        while self.deadlines and self.deadlines[0][0] <= now:
+            t, rid = heapq.heappop(self.deadlines)
+            req = self.reqs_by_rid.get(rid)
+            if req is not None and req.deadline == t and not req.finished:
+                req.abort("deadline exceeded")
+                self.end_request(req)
+        while self.queue_deadlines and self.queue_deadlines[0][0] <= now:
+            t, rid = heapq.heappop(self.queue_deadlines)
+            req = self.reqs_by_rid.get(rid)
+            if req is not None and req.admit_time is None and not req.finished \
+                    and t == req.arrival_time + self.args.queue_timeout_ms / 1000:  # not a reused rid
+                req.abort("request queue timeout", status_code=QUEUE_FULL_STATUS)
+                self.end_request(req)
+
+    def end_request(self, req: Req) -> None:
+        """A request that was just given its finish reason out of turn (not by
+        a token it sampled) leaves wherever it is, and its client is told."""
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
         if req in self.grammar_queue:
@@ -663,6 +697,7 @@ class Scheduler:
         step t+1, then read and process step t's result while the model runs
         t+1, so the scheduler's own work hides behind the forward. With nothing
         new to send, every result still out is processed."""
+        self.expire_requests(time.time())
         self.move_compiled_grammar_reqs()
         if self.inflight and any(r.grammar is not None and not r.finished
                                  for step in self.inflight for r in step.reqs):

@@ -59,6 +59,7 @@ class Generation:
             top_logprobs_num=spec.top_logprobs_num if spec.return_logprob else 0,
             logprob_start_len=spec.logprob_start_len if spec.return_logprob else -1,
             cache_salt=spec.cache_salt,
+            timeout_s=spec.timeout_s,
         )
         try:
             return self.manager.submit(req, self.arrival, event=self.event, group=spec.group)

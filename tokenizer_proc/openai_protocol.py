@@ -26,7 +26,7 @@ from tokenizer_proc.sglang_fields import OPENAI_FIELDS, check_fields
 from tokenizer_proc.tokenizer import Tokenizer
 from tokenizer_proc.validation import (cache_namespace, check_bool, check_cache_salt, check_int, check_int_list,
                                        check_logit_bias, check_number, check_range, check_stop, check_stop_regex,
-                                       is_int, optional)
+                                       check_timeout, is_int, optional)
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -125,6 +125,7 @@ def _build(body: dict[str, Any], prompts: list[list[int]], info: ModelInfo, pref
     no_stop_trim = optional(body, "no_stop_trim", check_bool, False)
     cache_salt = cache_namespace(optional(body, "cache_salt", check_cache_salt, ""),
                                  optional(body, "extra_key", check_cache_salt, ""))
+    timeout = optional(body, "timeout", check_timeout, None)
     # Any model name is accepted: this server serves one model, and answers with its name.
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise BadRequestError("model must be a string")
@@ -146,7 +147,7 @@ def _build(body: dict[str, Any], prompts: list[list[int]], info: ModelInfo, pref
                                      return_logprob=logprobs, top_logprobs_num=top_logprobs,
                                      logprob_start_len=logprob_start_len if logprobs else -1,
                                      group=request_id if len(prompts) * n > 1 else None,
-                                     cache_salt=cache_salt))
+                                     cache_salt=cache_salt, timeout_s=timeout))
     return OpenAIInput(request_id=request_id, specs=specs, prompt_tokens=sum(len(p) for p in prompts),
                        stream=stream, include_usage=include_usage, logprobs=logprobs,
                        top_logprobs=top_logprobs)

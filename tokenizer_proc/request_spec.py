@@ -20,6 +20,7 @@ class RequestSpec:
     logprob_start_len: int = -1  # >= 0 (with return_logprob): prompt logprobs from this position
     group: str | None = None  # the client request's id when it fanned out into several
     cache_salt: str = ""  # requests with different salts never share cached prefixes
+    timeout_s: float | None = None  # deadline, seconds from arrival (None: the server's default)
 
     @property
     def matches_text(self) -> bool:

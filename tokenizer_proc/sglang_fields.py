@@ -65,6 +65,7 @@ GENERATE_FIELDS: dict[str, Rule] = {
     "return_text_in_logprobs": _impl(), "cache_salt": _impl(),
     "extra_key": _impl("joins cache_salt: requests with different keys never share cached prefixes"),
     "logprob_start_len": _impl("with return_logprob: prompt logprobs from this position (-1: none)"),
+    "timeout": _impl("this server's: seconds from arrival; past it the request ends as an abort"),
     "token_ids_logprob": _default("logprobs of chosen token ids are not supported"),
     "return_sampling_mask": _default("sampling masks are not returned", False),
     "return_flat_raw_top_logprobs": _default("flat raw top logprobs are not returned", False),
@@ -138,6 +139,7 @@ OPENAI_FIELDS: dict[str, Rule] = {
     "top_k": _impl(), "min_p": _impl(), "min_tokens": _impl(), "repetition_penalty": _impl(),
     "stop_token_ids": _impl(), "stop_regex": _impl(), "no_stop_trim": _impl(), "ignore_eos": _impl(),
     "skip_special_tokens": _impl(), "cache_salt": _impl(), "extra_key": _impl(),
+    "timeout": _impl("this server's: seconds from arrival; past it the request ends as an abort"),
     "best_of": _default("best_of other than n is not supported", 1),
     "echo": _impl("completions: the prompt (with logprobs, its tokens' logprobs) before the completion; "
                   "with max_tokens 0 the prompt alone"),

@@ -111,6 +111,17 @@ def check_stop(name: str, v: Any) -> list[str]:
     return list(dict.fromkeys(stops))  # drop duplicates, keep order
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def check_timeout(name: str, v: Any) -> float:
+    """A request's deadline in seconds: positive and finite (at most a week)."""
+    t = check_number(name, v)
+    if not 0 < t <= MAX_TIMEOUT_S:
+        raise BadRequestError(f"{name} must be in (0, {MAX_TIMEOUT_S:.0f}] seconds")
+    return t
+
+
 def check_range(name: str, value: float, low: float, high: float) -> None:
     if not low <= value <= high:
         raise BadRequestError(f"{name} must be in [{low}, {high}]")

@@ -259,3 +259,15 @@ def test_streaming_a_list_with_n_interleaves_every_output_with_its_index(server:
         assert last["text"] == whole[k]["text"] and last["output_ids"] == whole[k]["output_ids"]
         assert last["meta_info"]["finish_reason"] == whole[k]["meta_info"]["finish_reason"]
     assert len(events) > 4  # more than one event per output: they streamed
+
+
+def test_timeout_reaches_the_scheduler_on_every_route_and_bad_ones_are_400s(server: Server) -> None:
+    status, _, _ = post(server, {"text": "hi", "timeout": 2.5, "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and server.fake.requests()[-1].timeout_s == 2.5
+    status, _, _ = post(server, {"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and server.fake.requests()[-1].timeout_s is None  # the server's default applies
+    status, _, _ = post(server, {"prompt": "hi", "max_tokens": 2, "timeout": 7}, "/v1/completions")
+    assert status == 200 and server.fake.requests()[-1].timeout_s == 7
+    for bad in (0, -1, "soon", 1e9):
+        status, _, raw = post(server, {"text": "hi", "timeout": bad})
+        assert status == 400 and "timeout" in json.loads(raw)["error"]["message"], raw
