@@ -155,6 +155,20 @@ def test_bad_request_gets_400_and_server_keeps_serving(server):
     assert r.status_code == 200
 
 
+def test_a_deadline_ends_a_running_request_with_its_text_so_far(server):
+    start = time.monotonic()
+    r = generate(server, {"text": "Count:", "timeout": 2.0,
+                          "sampling_params": {"max_new_tokens": UNBOUNDED_TOKENS, "ignore_eos": True}})
+    took = time.monotonic() - start
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert meta["finish_reason"] == {"type": "abort", "message": "deadline exceeded"}
+    assert 0 < meta["completion_tokens"] < UNBOUNDED_TOKENS and r.json()["text"]
+    assert 2.0 <= took < 10.0
+    state = requests.get(server.url + "/get_server_info", timeout=10).json()["scheduler"]
+    assert state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0
+
+
 def test_server_info_and_metrics_show_the_live_scheduler(server):
     info = requests.get(server.url + "/get_server_info", timeout=10).json()
     sched = info["scheduler"]
