@@ -81,6 +81,9 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     # seconds from arrival after which the request ends as an abort, wherever
     # it is (None: --request-timeout-s, if set)
     timeout_s: float | None = None
+    # with --enable-priority-scheduling: larger is admitted first (and, with
+    # --priority-preemption, may retract running requests of lower priority)
+    priority: int = 0
 
 
 class AbortReq(msgspec.Struct, tag=True):

@@ -59,6 +59,9 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     max_queued_requests: int | None = None
+    enable_priority_scheduling: bool = False  # admit waiting requests by `priority`, then the policy's order
+    schedule_low_priority_values_first: bool = False  # SGLang's: smaller priority values go first
+    priority_preemption: bool = False  # a blocked request retracts running ones of lower priority
     # a request not yet admitted after this long gets HTTP 503 (SGLang's SGLANG_QUEUED_TIMEOUT_MS)
     queue_timeout_ms: float | None = None
     # every request's deadline unless it sets its own `timeout`: past it, it ends as an abort
@@ -111,6 +114,8 @@ class ServerArgs:
             raise ValueError("--schedule-conservativeness must be > 0")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
+        if self.priority_preemption and not self.enable_priority_scheduling:
+            raise ValueError("--priority-preemption needs --enable-priority-scheduling")
         if self.queue_timeout_ms is not None and self.queue_timeout_ms <= 0:
             raise ValueError("--queue-timeout-ms must be > 0")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
@@ -168,6 +173,14 @@ class ServerArgs:
                             help="scales new_token_ratio: higher admits fewer requests")
         parser.add_argument("--max-queued-requests", type=int, default=None,
                             help="beyond this many waiting requests, new ones get HTTP 503")
+        parser.add_argument("--enable-priority-scheduling", action="store_true",
+                            help="admit waiting requests by their `priority` (larger first), then by "
+                                 "--schedule-policy; none is passed over for more than 5 s")
+        parser.add_argument("--schedule-low-priority-values-first", action="store_true",
+                            help="with --enable-priority-scheduling: smaller priority values go first")
+        parser.add_argument("--priority-preemption", action="store_true",
+                            help="with --enable-priority-scheduling: a waiting request that cannot be "
+                                 "admitted retracts running requests of lower priority (they resume later)")
         parser.add_argument("--queue-timeout-ms", type=float, default=_env_float("SGLANG_QUEUED_TIMEOUT_MS"),
                             help="a request still waiting for its first prefill after this long gets "
                                  "HTTP 503 'request queue timeout' (default: $SGLANG_QUEUED_TIMEOUT_MS, else none)")

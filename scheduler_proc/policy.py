@@ -9,24 +9,34 @@ from typing import Callable
 from scheduler_proc.req import Req
 
 LPM_MAX_QUEUE = 128  # above this many waiting requests, lpm costs more than it saves: fcfs
-# lpm lets requests with long cache hits go first, which can pass over a request
-# with no hit for as long as hits keep coming (users report minute-long TTFT
-# tails for cache misses). A request that has waited this long goes first.
-LPM_MAX_WAIT_S = 5.0
+# lpm and priorities let later arrivals go first, which can pass over a request
+# for as long as such arrivals keep coming (users report minute-long TTFT tails
+# for cache misses under lpm). A request that has waited this long in the
+# queue goes first, whatever the policy (aging). fcfs never passes one over.
+MAX_PASS_OVER_S = 5.0
 
 
 def order_waiting_queue(queue: deque[Req], policy: str,
                         cached_len: Callable[[Req], int] | None,
-                        now: float | None = None) -> deque[Req]:
+                        now: float | None = None, by_priority: bool = False,
+                        low_priority_first: bool = False) -> deque[Req]:
     """fcfs keeps arrival order (retracted requests sit at the front). lpm puts
     the requests with the longest prefix in the cache (`cached_len`) first,
-    ties in fcfs order, after any request waiting longer than LPM_MAX_WAIT_S.
-    Without a cache (`cached_len` None) lpm is fcfs, as in SGLang."""
-    if policy == "fcfs" or cached_len is None or len(queue) > LPM_MAX_QUEUE or len(queue) < 2:
+    ties in fcfs order; without a cache (`cached_len` None) lpm is fcfs, as in
+    SGLang. `by_priority` (--enable-priority-scheduling): higher `priority`
+    first (lower with `low_priority_first`), the policy's order among equals.
+    Either way, requests that have waited longer than MAX_PASS_OVER_S since
+    they (re)entered the queue go first, in arrival order."""
+    use_lpm = policy == "lpm" and cached_len is not None and len(queue) <= LPM_MAX_QUEUE
+    if len(queue) < 2 or not (use_lpm or by_priority):
         return queue
     now = time.time() if now is None else now
-    overdue = [r for r in queue if now - r.arrival_time > LPM_MAX_WAIT_S]
-    rest = [r for r in queue if now - r.arrival_time <= LPM_MAX_WAIT_S]
-    hits = {id(r): cached_len(r) for r in rest}
-    rest.sort(key=lambda r: -hits[id(r)])  # stable: fcfs among ties
+    overdue = [r for r in queue if now - r.waiting_since > MAX_PASS_OVER_S]
+    rest = [r for r in queue if now - r.waiting_since <= MAX_PASS_OVER_S]
+    if use_lpm:
+        hits = {id(r): cached_len(r) for r in rest}  # type: ignore[misc]
+        rest.sort(key=lambda r: -hits[id(r)])  # stable: fcfs among ties
+    if by_priority:
+        sign = 1 if low_priority_first else -1
+        rest.sort(key=lambda r: sign * r.priority)  # stable: the policy's order among equals
     return deque(overdue + rest)

@@ -22,6 +22,8 @@ class Req:
     logprob_start_len: int = -1  # >= 0 (with return_logprob): prompt logprobs from there
     cache_salt: str = ""
     deadline: float | None = None  # time.time() after which it ends as an abort
+    priority: int = 0  # with --enable-priority-scheduling: larger goes first (SGLang's convention)
+    waiting_since: float = 0.0  # when it last entered the waiting queue (arrival, or retraction)
     penalized: bool = False  # uses penalties: the model keeps state for its row (PenaltyInit)
     # structured output (scheduler_proc/grammar.py): the compile in progress,
     # then the matcher, advanced over every output token
@@ -70,7 +72,10 @@ class Req:
                    return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
                    logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
                    input_logprob_next=max(msg.logprob_start_len, 0),
-                   cache_salt=msg.cache_salt, penalized=sp.penalized())
+                   cache_salt=msg.cache_salt, penalized=sp.penalized(), priority=msg.priority)
+
+    def __post_init__(self) -> None:
+        self.waiting_since = self.waiting_since or self.arrival_time
 
     @property
     def wants_input_logprobs(self) -> bool:

@@ -349,8 +349,10 @@ class Scheduler:
             adder.add_chunked_req(self.chunked_req, self.cache.available() - len(running))
             if not adder.can_run:
                 return None
-        self.waiting_queue = order_waiting_queue(self.waiting_queue, self.args.schedule_policy,
-                                                 self.cache.cached_len if self.cache.tree else None)
+        self.waiting_queue = order_waiting_queue(
+            self.waiting_queue, self.args.schedule_policy, self.cache.cached_len if self.cache.tree else None,
+            by_priority=self.args.enable_priority_scheduling,
+            low_priority_first=self.args.schedule_low_priority_values_first)
         # what this batch computes, as a tree of its own: a request that would
         # compute the same prefix again waits one batch and then takes it from
         # the cache (SGLang's in-batch prefix check, for every policy here)
@@ -358,6 +360,7 @@ class Scheduler:
         if in_batch is not None and self.chunked_req is not None:
             self._computed_in_batch(in_batch, self.chunked_req)
         admitted: set[int] = set()
+        blocked: Req | None = None  # the first request that did not fit
         for req in self.waiting_queue:
             match = self.cache.match(req)
             cached = match.length if match else 0
@@ -366,12 +369,15 @@ class Scheduler:
                 continue
             if not adder.try_add(req, prefix_len=cached,
                                  newly_protected=self.cache.newly_protected(match)):
+                blocked = req
                 break
             self.cache.admit(req, match)  # its row, and its prefix locked in the tree
             admitted.add(id(req))
             if in_batch is not None:
                 self._computed_in_batch(in_batch, req)
         if not adder.can_run:
+            if blocked is not None and self.args.priority_preemption and self.chunked_req is None:
+                self.preempt_for(blocked)  # it is admitted in the next batch
             return None
         self.waiting_queue = deque(r for r in self.waiting_queue if id(r) not in admitted)
         continuing = self.chunked_req
@@ -456,9 +462,7 @@ class Scheduler:
                 break
             if len(keep) == 1 and self.chunked_req is not None:
                 # the half-prefilled request holds the slots: it goes back instead
-                self.release_req(self.chunked_req, retracting=True)
-                self.chunked_req.num_retractions += 1
-                self.timeline.request(self.chunked_req.rid, "retracted", decoded=0)
+                self.retract(self.chunked_req)
                 retracted.append(self.chunked_req)
                 self.chunked_req = None
                 if self.cache.available() >= 1:
@@ -471,9 +475,7 @@ class Scheduler:
                 keep.discard(i)
                 break
             req = batch.reqs[i]
-            self.release_req(req, retracting=True)
-            req.num_retractions += 1
-            self.timeline.request(req.rid, "retracted", decoded=len(req.output_ids))
+            self.retract(req)
             retracted.append(req)
             keep.discard(i)
         batch.filter_batch(sorted(keep))
@@ -491,6 +493,61 @@ class Scheduler:
         logger.info("KV cache pool is full. Retract requests. #retracted_reqs: %d, "
                     "#new_token_ratio: %.4f -> %.4f", len(retracted), old_ratio,
                     self.new_token_ratio)
+
+    def retract(self, req: Req) -> None:
+        """Free a request's KV; it keeps its tokens and is recomputed when
+        admitted again. The caller puts it back in the waiting queue."""
+        self.release_req(req, retracting=True)
+        req.num_retractions += 1
+        req.waiting_since = time.time()
+        self.timeline.request(req.rid, "retracted", decoded=len(req.output_ids))
+
+    def outranks(self, a: Req, b: Req) -> bool:
+        """a has strictly higher priority than b."""
+        return a.priority < b.priority if self.args.schedule_low_priority_values_first else a.priority > b.priority
+
+    def preempt_for(self, blocked: Req) -> None:
+        """--priority-preemption: `blocked` (the first waiting request, which
+        does not fit) retracts running requests of strictly lower priority,
+        lowest first (then least decoded), until it would fit. They resume
+        from the queue, as after any retraction."""
+        running = self.running_batch.reqs if self.running_batch is not None else []
+        if not any(self.outranks(blocked, r) for r in running):
+            return
+        if self.inflight:  # a victim's pending token would be lost
+            self.resolve_inflight()
+            self.filter_running_batch()
+        sign = -1 if self.args.schedule_low_priority_values_first else 1  # lowest priority first
+        victims = sorted((r for r in (self.running_batch.reqs if self.running_batch else [])
+                          if self.outranks(blocked, r)),
+                         key=lambda r: (sign * r.priority, len(r.output_ids), -len(r.origin_input_ids)))
+        retracted: list[Req] = []
+        for victim in victims:
+            if self.would_admit(blocked):
+                break
+            self.retract(victim)
+            retracted.append(victim)
+            self.running_batch.filter_batch([i for i, r in enumerate(self.running_batch.reqs) if r is not victim])
+        if self.running_batch is not None and self.running_batch.is_empty():
+            self.running_batch = None
+        self.waiting_queue.extend(retracted)  # the queue is ordered by priority before each admission
+        self.total_retractions += len(retracted)
+        if retracted:
+            logger.info("Priority preemption: %d running request(s) of lower priority retracted for %s "
+                        "(priority %d)", len(retracted), blocked.rid, blocked.priority)
+
+    def would_admit(self, req: Req) -> bool:
+        """Whether a prefill built now would admit `req` first (no step in flight)."""
+        running = self.running_batch.reqs if self.running_batch is not None else []
+        adder = PrefillAdder.for_step(
+            max_running=self.args.max_running_requests, running=running, free_slots=self.cache.available(),
+            max_prefill_tokens=self.args.max_prefill_tokens, chunked_prefill_size=self.args.chunked_prefill_size,
+            new_token_ratio=self.new_token_ratio)
+        match = self.cache.match(req)
+        fits = adder.try_add(req, prefix_len=match.length if match else 0,
+                             newly_protected=self.cache.newly_protected(match))
+        req.extend_input_len = 0  # a dry run
+        return fits
 
     def get_next_static_batch(self) -> ScheduleBatch | None:
         """Static and dynamic batching: a batch runs, padded, until its longest row

@@ -60,6 +60,7 @@ class Generation:
             logprob_start_len=spec.logprob_start_len if spec.return_logprob else -1,
             cache_salt=spec.cache_salt,
             timeout_s=spec.timeout_s,
+            priority=spec.priority,
         )
         try:
             return self.manager.submit(req, self.arrival, event=self.event, group=spec.group)

@@ -25,7 +25,7 @@ from tokenizer_proc.request_spec import RequestSpec, fan_out_rids, seed_for_samp
 from tokenizer_proc.sglang_fields import OPENAI_FIELDS, check_fields
 from tokenizer_proc.tokenizer import Tokenizer
 from tokenizer_proc.validation import (cache_namespace, check_bool, check_cache_salt, check_int, check_int_list,
-                                       check_logit_bias, check_number, check_range, check_stop, check_stop_regex,
+                                       check_logit_bias, check_number, check_priority, check_range, check_stop, check_stop_regex,
                                        check_timeout, is_int, optional)
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
@@ -126,6 +126,7 @@ def _build(body: dict[str, Any], prompts: list[list[int]], info: ModelInfo, pref
     cache_salt = cache_namespace(optional(body, "cache_salt", check_cache_salt, ""),
                                  optional(body, "extra_key", check_cache_salt, ""))
     timeout = optional(body, "timeout", check_timeout, None)
+    priority = optional(body, "priority", check_priority, 0)
     # Any model name is accepted: this server serves one model, and answers with its name.
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise BadRequestError("model must be a string")
@@ -147,7 +148,7 @@ def _build(body: dict[str, Any], prompts: list[list[int]], info: ModelInfo, pref
                                      return_logprob=logprobs, top_logprobs_num=top_logprobs,
                                      logprob_start_len=logprob_start_len if logprobs else -1,
                                      group=request_id if len(prompts) * n > 1 else None,
-                                     cache_salt=cache_salt, timeout_s=timeout))
+                                     cache_salt=cache_salt, timeout_s=timeout, priority=priority))
     return OpenAIInput(request_id=request_id, specs=specs, prompt_tokens=sum(len(p) for p in prompts),
                        stream=stream, include_usage=include_usage, logprobs=logprobs,
                        top_logprobs=top_logprobs)

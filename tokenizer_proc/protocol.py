@@ -20,7 +20,7 @@ from tokenizer_proc.request_spec import RequestSpec, fan_out_rids, seed_for_samp
 from tokenizer_proc.sglang_fields import GENERATE_FIELDS, SAMPLING_FIELDS, check_fields
 from tokenizer_proc.tokenizer import Tokenizer
 from tokenizer_proc.validation import (cache_namespace, check_bool, check_cache_salt, check_int, check_int_list,
-                                       check_logit_bias, check_number, check_stop, check_stop_regex, check_timeout,
+                                       check_logit_bias, check_number, check_stop, check_priority, check_stop_regex, check_timeout,
                                        is_int, optional, parse_json_object)
 
 __all__ = ["BadRequestError", "GenerateInput", "SamplingInput", "parse_generate_request", "parse_json_object",
@@ -216,6 +216,7 @@ def parse_generate_request(
     cache_salt = cache_namespace(optional(body, "cache_salt", check_cache_salt, ""),
                                  optional(body, "extra_key", check_cache_salt, ""))
     timeout = optional(body, "timeout", check_timeout, None)
+    priority = optional(body, "priority", check_priority, 0)
 
     prompts, batched = _prompts(body, tokenizer, vocab_size)
     sampling = _sampling_per_prompt(body.get("sampling_params"), len(prompts), vocab_size)
@@ -239,7 +240,8 @@ def parse_generate_request(
                 sampling_params=SamplingParams(**{**_fields(sp), "seed": seed_for_sample(sp.seed, k)}),
                 stop=s.stop, stop_regex=s.stop_regex, no_stop_trim=s.no_stop_trim,
                 return_logprob=return_logprob, top_logprobs_num=top_n, logprob_start_len=start,
-                group=base if n > 1 else None, cache_salt=cache_salt, timeout_s=timeout))
+                group=base if n > 1 else None, cache_salt=cache_salt, timeout_s=timeout,
+                priority=priority))
     return GenerateInput(specs=specs, stream=stream, batched=batched,
                          return_text_in_logprobs=text_in_logprobs)
 

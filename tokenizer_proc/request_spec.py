@@ -21,6 +21,7 @@ class RequestSpec:
     group: str | None = None  # the client request's id when it fanned out into several
     cache_salt: str = ""  # requests with different salts never share cached prefixes
     timeout_s: float | None = None  # deadline, seconds from arrival (None: the server's default)
+    priority: int = 0  # with --enable-priority-scheduling: larger goes first
 
     @property
     def matches_text(self) -> bool:

@@ -65,6 +65,7 @@ GENERATE_FIELDS: dict[str, Rule] = {
     "return_text_in_logprobs": _impl(), "cache_salt": _impl(),
     "extra_key": _impl("joins cache_salt: requests with different keys never share cached prefixes"),
     "logprob_start_len": _impl("with return_logprob: prompt logprobs from this position (-1: none)"),
+    "priority": _impl("with --enable-priority-scheduling: larger first; ignored without it, as in SGLang"),
     "timeout": _impl("this server's: seconds from arrival; past it the request ends as an abort"),
     "token_ids_logprob": _default("logprobs of chosen token ids are not supported"),
     "return_sampling_mask": _default("sampling masks are not returned", False),
@@ -101,7 +102,6 @@ GENERATE_FIELDS: dict[str, Rule] = {
     "log_metrics": _ignored("metrics are recorded for every request"),
     "no_logs": _ignored("request contents are never logged"),
     "custom_labels": _ignored("metrics carry no custom labels"),
-    "priority": _ignored("no priority scheduling (as SGLang without --enable-priority-scheduling)"),
     "routing_key": _ignored("a router's key"), "conversation_id": _ignored("a label"),
     "kv_router_hint": _ignored("a hint for a KV storage backend this server does not have"),
     "external_trace_header": _ignored("no tracing"),
@@ -179,7 +179,7 @@ OPENAI_FIELDS: dict[str, Rule] = {
     "stream_reasoning": _ignored("the model does not reason"),
     "session_id": _ignored("a label: it does not change the prompt"),
     "rid": _ignored("the response's id names the request (and /abort_request takes it)"),
-    "priority": _ignored("no priority scheduling"), "custom_labels": _ignored("metrics carry no custom labels"),
+    "priority": _impl("with --enable-priority-scheduling, as on /generate"), "custom_labels": _ignored("metrics carry no custom labels"),
     "ngram_corpus_id": _ignored("no speculative decoding"),
 }
 

@@ -122,6 +122,16 @@ def check_timeout(name: str, v: Any) -> float:
     return t
 
 
+MAX_PRIORITY = 2**31 - 1
+
+
+def check_priority(name: str, v: Any) -> int:
+    p = check_int(name, v)
+    if not -MAX_PRIORITY <= p <= MAX_PRIORITY:
+        raise BadRequestError(f"{name} must be in [{-MAX_PRIORITY}, {MAX_PRIORITY}]")
+    return p
+
+
 def check_range(name: str, value: float, low: float, high: float) -> None:
     if not low <= value <= high:
         raise BadRequestError(f"{name} must be in [{low}, {high}]")

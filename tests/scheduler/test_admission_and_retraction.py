@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.messages import SamplingParams
-from scheduler_proc.policy import LPM_MAX_WAIT_S, order_waiting_queue
+from scheduler_proc.policy import MAX_PASS_OVER_S, order_waiting_queue
 from scheduler_proc.radix_cache import RadixCache
 from scheduler_proc.req import Req
 from scheduler_proc.schedule_batch import OutOfKVSlots
@@ -225,16 +225,16 @@ def test_lpm_never_passes_over_a_request_for_longer_than_its_bound():
 
     miss, hit = _req("miss", [9, 9, 9]), _req("hit", [1, 2, 3, 4, 5])
     q = deque([miss, hit])
-    now = miss.arrival_time + LPM_MAX_WAIT_S / 2
+    now = miss.arrival_time + MAX_PASS_OVER_S / 2
     assert [r.rid for r in order_waiting_queue(q, "lpm", cached_len, now)] == ["hit", "miss"]
-    now = miss.arrival_time + LPM_MAX_WAIT_S + 0.1  # waited too long: it goes first
+    now = miss.arrival_time + MAX_PASS_OVER_S + 0.1  # waited too long: it goes first
     assert [r.rid for r in order_waiting_queue(q, "lpm", cached_len, now)] == ["miss", "hit"]
 
 
 def test_lpm_admits_a_cache_miss_within_its_bound_under_a_stream_of_hits(monkeypatch):
     """One request admitted at a time, a new cache hit arriving every 0.5 s
     (same prompt: same-length rids) and one miss: the hits would go first
-    forever; the miss is admitted once it has waited LPM_MAX_WAIT_S."""
+    forever; the miss is admitted once it has waited MAX_PASS_OVER_S."""
     clock = [1000.0]
     monkeypatch.setattr(time, "time", lambda: clock[0])
     h = Harness(max_running=1, schedule_policy="lpm", disable_overlap_schedule=True)
@@ -247,7 +247,7 @@ def test_lpm_admits_a_cache_miss_within_its_bound_under_a_stream_of_hits(monkeyp
         if "m" in h.finals():
             break
     waited = next(e["t"] for e in h.sched.timeline.events if e.get("rid") == "m" and e["event"] == "admitted") - 1000.0
-    assert LPM_MAX_WAIT_S < waited <= LPM_MAX_WAIT_S + 1.0
+    assert MAX_PASS_OVER_S < waited <= MAX_PASS_OVER_S + 1.0
     assert sum(1 for rid in h.finals() if rid.startswith("h")) >= 8  # hits did go first meanwhile
 
 

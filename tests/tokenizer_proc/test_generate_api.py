@@ -271,3 +271,14 @@ def test_timeout_reaches_the_scheduler_on_every_route_and_bad_ones_are_400s(serv
     for bad in (0, -1, "soon", 1e9):
         status, _, raw = post(server, {"text": "hi", "timeout": bad})
         assert status == 400 and "timeout" in json.loads(raw)["error"]["message"], raw
+
+
+def test_priority_reaches_the_scheduler_on_every_route_and_bad_ones_are_400s(server: Server) -> None:
+    status, _, _ = post(server, {"text": "hi", "priority": 7, "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and server.fake.requests()[-1].priority == 7
+    status, _, _ = post(server, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": -3},
+                        "/v1/chat/completions")
+    assert status == 200 and server.fake.requests()[-1].priority == -3
+    for bad in (1.5, "high", 2**40):
+        status, _, raw = post(server, {"text": "hi", "priority": bad})
+        assert status == 400 and "priority" in json.loads(raw)["error"]["message"], raw
