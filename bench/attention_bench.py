@@ -168,7 +168,7 @@ def run_cases(runner: ModelRunner, cases: list[tuple[int, int]], steps: int,
 
 
 def report(runner: ModelRunner, command: str, steps: int, bandwidth: float, header: list[str],
-           rows: list[list[str]], backends: tuple[str, ...] = ("torch",)) -> str:
+           rows: list[list[str]], backends: tuple[str, ...] = ("torch",), huge_pages: bool = False) -> str:
     cfg = runner.model_config
     table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                       + ["| " + " | ".join(r) + " |" for r in rows])
@@ -182,7 +182,8 @@ def report(runner: ModelRunner, command: str, steps: int, bandwidth: float, head
             f"threads count; more means other processes competed and inflated the figures). Read "
             f"bandwidth measured before the cases: {bandwidth / 1e9:.1f} GB/s (best `sum` over 512 MiB); "
             f"attention floor = K + V of every row and layer read once at that rate; share at the floor = "
-            f"floor / (step - attention + floor).\n\n{table}\n")
+            f"floor / (step - attention + floor). KV pool on {'transparent huge pages' if huge_pages else '4 KiB pages'} "
+            f"(every backend); each row on slots drawn at random from the pool (a random permutation).\n\n{table}\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,6 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--backends", nargs="+", default=["torch", "native"], choices=["torch", "native"],
                    help="attention backends, side by side; the first one's columns come first")
+    p.add_argument("--no-huge-pages", action="store_true",
+                   help="leave the pool on 4 KiB pages (by default, with the native backend in the run, the "
+                        "pool goes on transparent huge pages for every backend, as the native backend sets up)")
     p.add_argument("--compare", action="store_true",
                    help="also time the batch-wide gather, reused and fresh buffer (the earlier code)")
     p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
@@ -203,6 +207,10 @@ def main(argv: list[str] | None = None) -> None:
 
     bandwidth = read_bandwidth()
     runner = make_runner(max(args.batches), max(args.contexts), args.dtype)
+    huge = "native" in args.backends and not args.no_huge_pages
+    if huge:  # before the pool is first touched, as the native backend does in a server
+        from model_proc import native
+        huge = all([native.advise_huge_pages(b) for b in runner.kv_pool.k_buffer + runner.kv_pool.v_buffer])
     fill_pool(runner, max(args.batches) * max(args.contexts), torch.Generator().manual_seed(0))
     cases = [(bs, ctx) for ctx in args.contexts for bs in args.batches]
     floors = [kv_bytes(runner, bs, ctx) / bandwidth for bs, ctx in cases]
@@ -237,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
                 row += cells[:2]
 
     command = " ".join(["python -m bench.attention_bench", *(sys.argv[1:] if argv is None else argv)])
-    text = report(runner, command, args.steps, bandwidth, header, rows, tuple(backends))
+    text = report(runner, command, args.steps, bandwidth, header, rows, tuple(backends), huge)
     print(text)
     if not args.no_write:
         if not os.path.exists(RESULTS):

