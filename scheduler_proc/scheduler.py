@@ -328,7 +328,7 @@ class Scheduler:
             if batch.is_empty():
                 self.running_batch = None
 
-    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+    def get_new_batch_prefill(self, after_preemption: bool = False) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
             return None
         running = self.running_batch.reqs if self.running_batch is not None else []
@@ -376,8 +376,9 @@ class Scheduler:
             if in_batch is not None:
                 self._computed_in_batch(in_batch, req)
         if not adder.can_run:
-            if blocked is not None and self.args.priority_preemption and self.chunked_req is None:
-                self.preempt_for(blocked)  # it is admitted in the next batch
+            if blocked is not None and self.args.priority_preemption and self.chunked_req is None \
+                    and not after_preemption and self.preempt_for(blocked):
+                return self.get_new_batch_prefill(after_preemption=True)  # now it fits
             return None
         self.waiting_queue = deque(r for r in self.waiting_queue if id(r) not in admitted)
         continuing = self.chunked_req
@@ -506,14 +507,14 @@ class Scheduler:
         """a has strictly higher priority than b."""
         return a.priority < b.priority if self.args.schedule_low_priority_values_first else a.priority > b.priority
 
-    def preempt_for(self, blocked: Req) -> None:
+    def preempt_for(self, blocked: Req) -> bool:
         """--priority-preemption: `blocked` (the first waiting request, which
         does not fit) retracts running requests of strictly lower priority,
         lowest first (then least decoded), until it would fit. They resume
         from the queue, as after any retraction."""
         running = self.running_batch.reqs if self.running_batch is not None else []
         if not any(self.outranks(blocked, r) for r in running):
-            return
+            return False
         if self.inflight:  # a victim's pending token would be lost
             self.resolve_inflight()
             self.filter_running_batch()
@@ -535,6 +536,7 @@ class Scheduler:
         if retracted:
             logger.info("Priority preemption: %d running request(s) of lower priority retracted for %s "
                         "(priority %d)", len(retracted), blocked.rid, blocked.priority)
+        return bool(retracted)
 
     def would_admit(self, req: Req) -> bool:
         """Whether a prefill built now would admit `req` first (no step in flight)."""
