@@ -10,13 +10,22 @@ import zmq.asyncio
 
 T = TypeVar("T")
 
+# High-water marks, in messages, set on every socket rather than left to ZMQ's
+# default. What happens when one is reached is the sender's choice, one per
+# link: the tokenizer process never blocks (a request it cannot hand over is a
+# 503 at admission; an abort is retried until the scheduler has it), every
+# other sender blocks until the peer reads (backpressure), so no message is
+# ever dropped.
+HWM_MESSAGES = 4096
+
 
 class PushSocket:
     """Sends one message type over a PUSH socket."""
 
-    def __init__(self, ctx: zmq.Context, addr: str, bind: bool = False) -> None:
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool = False, hwm: int = HWM_MESSAGES) -> None:
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
         (self.sock.bind if bind else self.sock.connect)(addr)
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -32,9 +41,11 @@ class PushSocket:
 class PullSocket(Generic[T]):
     """Receives messages of type `msg_type` (a Struct or a Union of tagged Structs)."""
 
-    def __init__(self, ctx: zmq.Context, addr: str, msg_type: Any, bind: bool = True) -> None:
+    def __init__(self, ctx: zmq.Context, addr: str, msg_type: Any, bind: bool = True,
+                 hwm: int = HWM_MESSAGES) -> None:
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, hwm)
         (self.sock.bind if bind else self.sock.connect)(addr)
         self._decoder = msgspec.msgpack.Decoder(msg_type)
 
@@ -61,9 +72,11 @@ class PullSocket(Generic[T]):
 class AsyncPullSocket(Generic[T]):
     """PullSocket for asyncio code (the HTTP server)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, msg_type: Any, bind: bool = True) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, msg_type: Any, bind: bool = True,
+                 hwm: int = HWM_MESSAGES) -> None:
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, hwm)
         (self.sock.bind if bind else self.sock.connect)(addr)
         self._decoder = msgspec.msgpack.Decoder(msg_type)
 

@@ -42,6 +42,14 @@ QUEUE_FULL_STATUS = 503  # also a queue timeout: the client may retry
 BAD_REQUEST_STATUS = 400  # refused at admission: the request can never run here
 
 
+def default_queue_limit(max_running_requests: int, pool_tokens: int) -> int:
+    """Waiting requests allowed without --max-queued-requests: enough to refill
+    the running batch 8 times, or to fill the KV pool with 64-token requests,
+    and never fewer than 128. A bounded queue turns overload into quick 503s
+    instead of unbounded memory and waits."""
+    return max(128, 8 * max_running_requests, pool_tokens // 64)
+
+
 @dataclass
 class LaunchedStep:
     """A step sent to the model whose result has not been processed yet. It keeps
@@ -75,6 +83,8 @@ class Scheduler:
         self.cache = CacheManager(model_info.max_total_tokens, server_args.max_running_requests,
                                   self.context_len, use_tree=self.radix_cache_enabled)
         self.invariant_error: str | None = None  # set when the idle check finds the accounts off
+        self.max_queued_requests = server_args.max_queued_requests if server_args.max_queued_requests \
+            is not None else default_queue_limit(server_args.max_running_requests, model_info.max_total_tokens)
 
         self.waiting_queue: deque[Req] = deque()
         # requests whose grammar is compiling (structured output); they join
@@ -151,9 +161,8 @@ class Scheduler:
             logger.error("dropping request with duplicate rid %r", msg.rid)
             return
         error = self.validate(req)
-        if error is None and self.args.max_queued_requests is not None \
-                and len(self.waiting_queue) + len(self.grammar_queue) >= self.args.max_queued_requests:
-            error = f"the queue is full ({self.args.max_queued_requests} requests waiting)"
+        if error is None and len(self.waiting_queue) + len(self.grammar_queue) >= self.max_queued_requests:
+            error = f"the queue is full ({self.max_queued_requests} requests waiting)"
             req.abort(error, status_code=QUEUE_FULL_STATUS)
         elif error is not None:
             req.abort(error, status_code=BAD_REQUEST_STATUS)
@@ -822,7 +831,8 @@ class Scheduler:
             "batching": self.args.batching,
             "num_running_reqs": len(self.running_batch) if self.running_batch else 0,
             "num_waiting_reqs": len(self.waiting_queue),
-            "num_grammar_queue_reqs": len(self.grammar_queue),  # waiting for their grammar to compile
+            "num_grammar_queue_reqs": len(self.grammar_queue),
+            "max_queued_requests": self.max_queued_requests,  # waiting for their grammar to compile
             # admitted, part of its prompt in the pool, the rest still to prefill:
             # neither in the running batch nor waiting
             "num_chunked_prefill_reqs": 0 if self.chunked_req is None else 1,

@@ -33,6 +33,8 @@ from tokenizer_proc.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
+ABORT_RETRY_S = 0.01  # an abort the scheduler's full queue refused is tried again this often
+
 
 @dataclass
 class ReqState:
@@ -82,6 +84,10 @@ class TokenizerManager:
             self.actx, ipc.tokenizer_input, ToTokenizerMsg, bind=True)
         self.states: dict[str, ReqState] = {}
         self.queries: dict[str, asyncio.Future[SchedulerReply]] = {}
+        # aborts the scheduler's queue refused, by rid: retried until sent (or
+        # the request finished anyway), so a freed client never leaves its KV held
+        self.pending_aborts: dict[str, AbortReq] = {}
+        self._retry_task: asyncio.Task[None] | None = None
         self.metrics = ServerMetrics()
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -89,12 +95,13 @@ class TokenizerManager:
         self._loop_task = asyncio.get_running_loop().create_task(self._output_loop())
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._loop_task, self._retry_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         self.to_scheduler.close()
         self.from_scheduler.close()
         self.ctx.term()
@@ -130,10 +137,27 @@ class TokenizerManager:
         state.abort_sent = True
         if stop_matched is None:
             logger.info("abort request %s", state.rid)
+        msg = AbortReq(rid=state.rid, stop_matched=stop_matched)
         try:
-            self.to_scheduler.send(AbortReq(rid=state.rid, stop_matched=stop_matched), block=False)
+            self.to_scheduler.send(msg, block=False)
         except zmq.Again:
-            logger.error("abort of %s not sent: the scheduler is not taking messages", state.rid)
+            logger.warning("abort of %s not sent yet: the scheduler's queue is full; retrying", state.rid)
+            self.pending_aborts[state.rid] = msg
+            if self._retry_task is None or self._retry_task.done():
+                self._retry_task = asyncio.get_running_loop().create_task(self._retry_aborts())
+
+    async def _retry_aborts(self) -> None:
+        while self.pending_aborts:
+            await asyncio.sleep(ABORT_RETRY_S)
+            for rid, msg in list(self.pending_aborts.items()):
+                if rid not in self.states:  # finished meanwhile: nothing to abort
+                    del self.pending_aborts[rid]
+                    continue
+                try:
+                    self.to_scheduler.send(msg, block=False)
+                except zmq.Again:
+                    break  # still full: the rest wait too, in order
+                del self.pending_aborts[rid]
 
     def abort_rid(self, rid: str) -> list[str]:
         """Aborts the request `rid`, or every request of the group `rid`;

@@ -2,7 +2,8 @@
 an abort "deadline exceeded" wherever it is (waiting, mid-chunked-prefill,
 mid-decode) and every slot it held is freed; --request-timeout-s is the
 default deadline; a request still waiting for its first prefill after
---queue-timeout-ms is refused with a 503; others in flight are untouched."""
+--queue-timeout-ms is refused with a 503; others in flight are untouched.
+And the waiting queue is bounded even without --max-queued-requests."""
 
 from __future__ import annotations
 
@@ -115,4 +116,18 @@ def test_a_reused_rid_does_not_inherit_the_old_requests_deadline(clock):
     h.run_until_idle()
     assert [f for m in h.outputs for f in m.finished_reasons if f] == [
         {"type": "length", "length": 3}, {"type": "length", "length": 50}]
+    h.assert_no_leak()
+
+
+def test_the_queue_is_bounded_by_default(clock):
+    from scheduler_proc.scheduler import default_queue_limit
+
+    h = Harness(max_running=2, max_total_tokens=64 * 200, disable_overlap_schedule=True)
+    limit = default_queue_limit(2, 64 * 200)
+    assert limit == 200 and h.sched.state()["max_queued_requests"] == 200
+    for i in range(limit + 5):
+        submit(h, f"r{i}", 4, 2)
+    refused = [rid for rid, (reason, _) in h.finals().items() if reason.get("status_code") == 503]
+    assert len(refused) == 5 and "queue is full" in h.finals()[refused[0]][0]["message"]
+    h.run_until_idle()
     h.assert_no_leak()
