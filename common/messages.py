@@ -16,6 +16,13 @@ import msgspec
 MAX_LOGIT_BIAS = 1e9
 
 
+class ForwardMode(enum.StrEnum):
+    """What a step computes (a str: "extend" == ForwardMode.EXTEND)."""
+
+    EXTEND = "extend"  # new prompt tokens (a prefill, or a chunk of one) after a prefix in the pool
+    DECODE = "decode"  # one token per row, after its last sampled one
+
+
 class GrammarKind(enum.Enum):
     JSON_SCHEMA = "json_schema"  # text: a JSON schema (JSON text)
     JSON_OBJECT = "json_object"  # any JSON object (OpenAI's response_format json_object); text ""
@@ -198,7 +205,7 @@ class ForwardBatch(msgspec.Struct, tag=True):
     mid-prompt chunk), so a batch without penalties pays nothing for them.
     """
 
-    forward_mode: str
+    forward_mode: ForwardMode
     req_pool_indices: list[int]
     seq_lens: list[int]
     prefix_lens: list[int]

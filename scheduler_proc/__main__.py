@@ -18,7 +18,7 @@ from common.messages import ReadyMsg, ToSchedulerMsg
 from common.peer_watch import PeerWatch, exit_when_lost
 from common.proc import child_main_setup
 from scheduler_proc.model_client import ZmqModelClient
-from scheduler_proc.scheduler import Scheduler
+from scheduler_proc.padded_batching import create_scheduler
 
 logger = logging.getLogger("scheduler")
 
@@ -32,8 +32,8 @@ def main() -> None:
     ctx = zmq.Context()
     requests: PullSocket[ToSchedulerMsg] = PullSocket(ctx, cfg.ipc.scheduler_input, ToSchedulerMsg)
     to_tokenizer = PushSocket(ctx, cfg.ipc.tokenizer_input)
-    scheduler = Scheduler(cfg.server_args, cfg.model_info, ZmqModelClient(ctx, cfg.ipc),
-                          to_tokenizer.send)
+    scheduler = create_scheduler(cfg.server_args, cfg.model_info, ZmqModelClient(ctx, cfg.ipc),
+                                 to_tokenizer.send)
 
     def recv_requests(timeout_s: float | None) -> list[ToSchedulerMsg]:
         if timeout_s is None or timeout_s > 0:

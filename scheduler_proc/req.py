@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.messages import PenaltyInit, SamplingParams, TokenizedGenerateReq
+from scheduler_proc.finish_reason import FinishAbort, FinishLength, FinishMatchedToken, FinishReason
 
 
 @dataclass(slots=True, eq=False)  # identity, not field-wise, equality
@@ -44,7 +45,7 @@ class Req:
     extend_input_len: int = 0  # tokens the coming prefill computes (a chunk, or all)
     admit_time: float | None = None  # first prefill start (queue time = admit - arrival)
     first_token_time: float = 0.0  # wall clock of the first output token (0: none yet)
-    finished_reason: dict[str, Any] | None = None
+    finish: FinishReason | None = None
     num_retractions: int = 0
     penalty_state_sent: bool = False  # its row's penalty state went with an extend since admission
     sent_len: int = 0  # output tokens already sent to the tokenizer process
@@ -121,7 +122,16 @@ class Req:
 
     @property
     def finished(self) -> bool:
-        return self.finished_reason is not None
+        return self.finish is not None
+
+    @property
+    def finished_reason(self) -> dict[str, Any] | None:
+        """The finish reason as clients see it (None while running)."""
+        return None if self.finish is None else self.finish.to_json()
+
+    @property
+    def aborted(self) -> bool:
+        return isinstance(self.finish, FinishAbort)
 
     @property
     def remaining_new_tokens(self) -> int:
@@ -138,14 +148,12 @@ class Req:
             self.seq_len + self.pending_tokens >= context_len
 
     def check_finished(self, context_len: int) -> None:
-        """Set finished_reason after a token was appended to output_ids."""
+        """Set `finish` after a token was appended to output_ids."""
         last = self.output_ids[-1]
         if last in self.stop_token_ids or (self.grammar is not None and self.grammar.terminated):
-            self.finished_reason = {"type": "stop", "matched": last}
-        elif len(self.output_ids) >= self.sampling_params.max_new_tokens:
-            self.finished_reason = {"type": "length", "length": len(self.output_ids)}
-        elif self.seq_len >= context_len:
-            self.finished_reason = {"type": "length", "length": len(self.output_ids)}
+            self.finish = FinishMatchedToken(last)
+        elif len(self.output_ids) >= self.sampling_params.max_new_tokens or self.seq_len >= context_len:
+            self.finish = FinishLength(len(self.output_ids))
 
     @property
     def queue_time(self) -> float:
@@ -154,6 +162,4 @@ class Req:
         return max(0.0, end - self.arrival_time)
 
     def abort(self, message: str, status_code: int | None = None) -> None:
-        self.finished_reason = {"type": "abort", "message": message}
-        if status_code is not None:  # the HTTP status the client should see (503: queue full)
-            self.finished_reason["status_code"] = status_code
+        self.finish = FinishAbort(message, status_code)  # status_code: what the client gets (503: queue full)

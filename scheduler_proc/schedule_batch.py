@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.messages import FUTURE_TOKEN, ForwardBatch, PenaltyInit
+from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardMode, PenaltyInit
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.grammar import fill_bitmask
 from scheduler_proc.req import Req
@@ -28,7 +28,7 @@ class OutOfKVSlots(RuntimeError):
 @dataclass
 class ScheduleBatch:
     reqs: list[Req]
-    forward_mode: str = "decode"  # "extend" or "decode"
+    forward_mode: ForwardMode = ForwardMode.DECODE
     # one entry per row
     req_pool_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     seq_lens: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
@@ -109,7 +109,7 @@ class ScheduleBatch:
     def prepare_for_extend(self, cache: CacheManager) -> None:
         """Slots for every row's uncached tokens. Rows were given their table
         row (and their cached prefix) at admission."""
-        self.forward_mode = "extend"
+        self.forward_mode = ForwardMode.EXTEND
         fills = [r.fill_ids for r in self.reqs]
         self.prefix_lens = [r.kv_len for r in self.reqs]
         extend_lens = [r.extend_input_len or len(f) - p
@@ -169,7 +169,7 @@ class ScheduleBatch:
     def prepare_for_decode(self, cache: CacheManager) -> None:
         """One new token per row: the row's last sampled token, at position seq_len.
         A token still in flight (overlap) goes as FUTURE_TOKEN: the model has it."""
-        self.forward_mode = "decode"
+        self.forward_mode = ForwardMode.DECODE
         self.prefix_lens = []
         self.penalty_inits = []
         self.input_logprob_rows, self.input_logprob_starts, self.input_logprob_targets = [], [], []
@@ -201,7 +201,7 @@ class ScheduleBatch:
         nor a finished row computed as padding (static batching)."""
         if not self.has_penalties:
             return []
-        decode = self.forward_mode == "decode"
+        decode = self.forward_mode is ForwardMode.DECODE
         return [i for i, r in enumerate(self.reqs)
                 if r.penalized and not r.finished and (decode or seq_lens[i] == r.seq_len)
                 and r.penalizes_next_token()]
@@ -212,7 +212,7 @@ class ScheduleBatch:
         token (the scheduler reads a step in flight before building one)."""
         if not self.has_grammar:
             return []
-        decode = self.forward_mode == "decode"
+        decode = self.forward_mode is ForwardMode.DECODE
         rows = [i for i, r in enumerate(self.reqs)
                 if r.grammar is not None and not r.finished and (decode or seq_lens[i] == r.seq_len)]
         assert all(not self.reqs[i].pending_tokens for i in rows), "a grammar row with a token in flight"

@@ -11,11 +11,12 @@ from typing import Any, Callable
 
 import torch
 
-from common.messages import (MAX_LOGIT_BIAS, AbortReq, BatchTokenOut, ForwardResult, ModelInfo,
+from common.messages import (MAX_LOGIT_BIAS, AbortReq, BatchTokenOut, ForwardMode, ForwardResult, ModelInfo,
                              SchedulerQuery, SchedulerReply, TokenizedGenerateReq, ToSchedulerMsg,
                              ToTokenizerMsg)
 from common.server_args import ServerArgs
 from scheduler_proc.cache_manager import CacheManager
+from scheduler_proc.finish_reason import FinishMatchedStr
 from scheduler_proc.grammar import GrammarBackend, ReqGrammar
 from scheduler_proc.model_client import LocalModel, ModelClient, as_model_client
 from scheduler_proc.policy import order_waiting_queue
@@ -55,7 +56,7 @@ class LaunchedStep:
     """A step sent to the model whose result has not been processed yet. It keeps
     its own list of rows: the running batch changes while the step runs."""
 
-    forward_mode: str
+    forward_mode: ForwardMode
     reqs: list[Req]
     produces: list[bool]  # per row: the step samples a token for it (not a mid-prompt chunk)
     num_tokens: int
@@ -64,6 +65,11 @@ class LaunchedStep:
 
 
 class Scheduler:
+    """Continuous batching (SGLang's loop). Static and dynamic batching, the
+    padded baselines, override a few methods: scheduler_proc/padded_batching.py."""
+
+    prefix_cache_allowed = True  # rows leave as soon as they finish, so the cache can take their KV
+    padded_row_steps = 0  # a finished row still computed counts as a row-step (padding) or not
     def __init__(self, server_args: ServerArgs, model_info: ModelInfo,
                  model: ModelClient | LocalModel,
                  send_output: Callable[[ToTokenizerMsg], None]) -> None:
@@ -76,10 +82,7 @@ class Scheduler:
         self.last_result_time = 0.0
         self.send_output = send_output
         self.context_len = model_info.context_len
-        self.radix_cache_enabled = not server_args.disable_radix_cache and \
-            server_args.batching == "continuous"
-        # the prefix cache needs rows to leave as soon as they finish; static and
-        # dynamic batching keep finished rows as padding, so they run without it
+        self.radix_cache_enabled = not server_args.disable_radix_cache and self.prefix_cache_allowed
         self.cache = CacheManager(model_info.max_total_tokens, server_args.max_running_requests,
                                   self.context_len, use_tree=self.radix_cache_enabled)
         self.invariant_error: str | None = None  # set when the idle check finds the accounts off
@@ -244,7 +247,7 @@ class Scheduler:
         if stop_matched is None:
             req.abort("aborted by the client")
         else:  # a stop: its tokens are as good as any finished request's, and cached
-            req.finished_reason = {"type": "stop", "matched": stop_matched}
+            req.finish = FinishMatchedStr(stop_matched)
         self.end_request(req)
 
     def expire_requests(self, now: float) -> None:
@@ -274,33 +277,28 @@ class Scheduler:
             self.grammar_queue.remove(req)
         if req is self.chunked_req:
             self.chunked_req = None
-        # Static batching keeps a finished row's KV as padding until the batch
-        # ends. Otherwise a running row keeps its place only until the next
-        # filter_batch, and its KV is freed now: a step still in flight that
-        # writes those slots (overlap) runs before any step that could reuse them.
-        if self.args.batching != "continuous" and self.in_running_batch(req):
-            self.reqs_by_rid.pop(req.rid, None)
-        else:
-            self.release_req(req)
+        self.release_ended(req)
         self.stream_output([req])
 
-    def in_running_batch(self, req: Req) -> bool:
-        # a static batch just prefilled is still last_batch: it becomes the
-        # running batch when the next step is chosen
-        return any(b is not None and any(r is req for r in b.reqs)
-                   for b in (self.running_batch, self.last_batch))
+    def release_ended(self, req: Req) -> None:
+        """A running row keeps its place only until the next filter_batch, and
+        its KV is freed now: a step still in flight that writes those slots
+        (overlap) runs before any step that could reuse them."""
+        self.release_req(req)
+
+    def retire_finished(self, req: Req) -> None:
+        """A row that just finished on its token leaves at once."""
+        self.release_req(req)
 
     # ---- choosing the next batch ------------------------------------------------------
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        if self.args.batching != "continuous":
-            return self.get_next_static_batch()
         # The rows just prefilled join the running batch, minus those already
         # done and the one still in a chunked prefill.
         # With overlap, the last step's tokens are not known yet: a row whose
         # pending token ends it by length leaves now, one that stops on a stop
         # token leaves a step late (its extra token is thrown away).
-        if self.last_batch is not None and self.last_batch.forward_mode == "extend":
+        if self.last_batch is not None and self.last_batch.forward_mode is ForwardMode.EXTEND:
             self.last_batch.filter_batch([i for i, r in enumerate(self.last_batch.reqs)
                                           if self.keeps_running(r) and r is not self.chunked_req])
             if not self.last_batch.is_empty():
@@ -560,65 +558,12 @@ class Scheduler:
         req.extend_input_len = 0  # a dry run
         return fits
 
-    def get_next_static_batch(self) -> ScheduleBatch | None:
-        """Static and dynamic batching: a batch runs, padded, until its longest row
-        finishes; nothing joins it mid-flight."""
-        batch = self.running_batch
-        if self.last_batch is not None and self.last_batch.forward_mode == "extend":
-            batch = self.running_batch = self.last_batch
-        if batch is not None:
-            if self.inflight and all(r.finished or r.finishes_with_pending(self.context_len)
-                                     for r in batch.reqs):
-                self.resolve_inflight()  # the batch may be over: see its last tokens first
-            if all(r.finished for r in batch.reqs):
-                for r in batch.reqs:
-                    self.release_req(r)
-                self.running_batch = None
-            else:
-                # a finished row whose padding would run past the context is dropped
-                too_long = [i for i, r in enumerate(batch.reqs)
-                            if r.finished and r.kv_len + 1 >= self.context_len]
-                if too_long:
-                    for i in too_long:
-                        self.release_req(batch.reqs[i])
-                    batch.filter_batch([i for i in range(len(batch)) if i not in too_long])
-                batch.prepare_for_decode(self.cache)
-                return batch
-        if not self.waiting_queue:
-            self.new_token_ratio = self.init_new_token_ratio
-            return None
-        if self.args.batching == "dynamic":
-            waited_ms = (time.time() - self.waiting_queue[0].arrival_time) * 1000
-            if len(self.waiting_queue) < self.args.max_running_requests and \
-                    waited_ms < self.args.batch_timeout_ms:
-                return None
-        # Every row may be padded to the longest row's length: reserve that for all.
-        reqs: list[Req] = []
-        prompt_tokens, longest = 0, 0
-        for req in self.waiting_queue:
-            if len(reqs) == self.args.max_running_requests:
-                break
-            p = prompt_tokens + len(req.origin_input_ids)
-            m = max(longest, req.sampling_params.max_new_tokens)
-            if p + (len(reqs) + 1) * m > self.cache.available():
-                break
-            reqs.append(req)
-            prompt_tokens, longest = p, m
-        if not reqs:
-            return None
-        for _ in reqs:
-            self.waiting_queue.popleft()
-        for r in reqs:
-            self.cache.admit(r, None)
-            r.extend_input_len = 0
-        return self.start_prefill(reqs, 0)
-
     # ---- running it -------------------------------------------------------------------
 
     def launch_batch(self, batch: ScheduleBatch) -> None:
         """Send the step to the model; its result is processed by resolve_oldest."""
         fb = batch.to_forward_batch()
-        if batch.forward_mode == "decode":
+        if batch.forward_mode is ForwardMode.DECODE:
             produces = [True] * len(batch)
         else:  # a row whose prompt is not all in the pool yet samples nothing it keeps
             produces = [s == r.seq_len for r, s in zip(batch.reqs, fb.seq_lens)]
@@ -638,7 +583,7 @@ class Scheduler:
         step_time = now - max(step.launch_time, self.last_result_time)
         self.last_result_time = now
         self.process_batch_result(step, result)
-        self.timeline.step(kind=step.forward_mode, batch_size=len(step.reqs),
+        self.timeline.step(kind=step.forward_mode.value, batch_size=len(step.reqs),
                            tokens=step.num_tokens, kv_usage=self.token_usage(),
                            step_time=step_time)
 
@@ -647,7 +592,6 @@ class Scheduler:
             self.resolve_oldest()
 
     def process_batch_result(self, step: LaunchedStep, result: ForwardResult) -> None:
-        static = self.args.batching != "continuous"
         for j, row in enumerate(step.input_logprob_rows):
             req = step.reqs[row]
             req.input_token_logprobs.extend(result.input_token_logprobs[j])
@@ -661,10 +605,10 @@ class Scheduler:
                 continue
             req.pending_tokens -= 1
             if req.finished:
-                # computed and thrown away: a static batch's padding (counted in
-                # the utilisation), or a row that stopped one step earlier
-                # (overlap) or was aborted while the step ran (not padding)
-                self.total_row_steps += static
+                # computed and thrown away: a row that stopped one step earlier
+                # (overlap) or was aborted while the step ran (not padding), or
+                # a padded batch's finished row (counted: padded_row_steps)
+                self.total_row_steps += self.padded_row_steps
                 continue
             self.total_row_steps += 1
             self.useful_row_steps += 1
@@ -684,11 +628,8 @@ class Scheduler:
             if not req.finished:
                 req.check_finished(self.context_len)
             if req.finished:
-                if static:  # the row stays as padding; the rid is free for reuse
-                    self.reqs_by_rid.pop(req.rid, None)
-                else:
-                    self.release_req(req)
-        if step.forward_mode == "decode":
+                self.retire_finished(req)
+        if step.forward_mode is ForwardMode.DECODE:
             self.num_decode_steps += 1
             self.decode_tokens_since_log += len(step.reqs)
             if self.num_decode_steps % DECODE_LOG_INTERVAL == 0:
@@ -700,7 +641,7 @@ class Scheduler:
         (not aborted, not retracted) leaves its prompt and output in the prefix
         cache. Unless it is only being retracted, it also leaves the set of live
         requests."""
-        finished = req.finished and req.finished_reason["type"] != "abort"
+        finished = req.finished and not req.aborted
         self.cache.release(req, cache=finished and not retracting)
         req.penalty_state_sent = False  # its next row gets its state rebuilt at its extend
         if not retracting:
@@ -797,7 +738,7 @@ class Scheduler:
     def is_idle(self) -> bool:
         return not self.waiting_queue and not self.grammar_queue and self.running_batch is None and \
             self.chunked_req is None and not self.inflight and \
-            (self.last_batch is None or self.last_batch.forward_mode != "extend")
+            (self.last_batch is None or self.last_batch.forward_mode is not ForwardMode.EXTEND)
 
     def event_loop(self, recv_requests: Callable[[float | None], list[ToSchedulerMsg]]) -> None:
         """`recv_requests(timeout_s)` drains the input socket, first waiting up to

@@ -11,7 +11,7 @@ import pytest
 
 from common.messages import AbortReq, BatchTokenOut, SamplingParams, SchedulerQuery, TokenizedGenerateReq
 from common.server_args import ServerArgs
-from scheduler_proc.scheduler import Scheduler
+from scheduler_proc.padded_batching import create_scheduler
 from tests.scheduler.fake_model import FakeModel, fake_model_info
 from tests.scheduler.test_scheduler import MODES, assert_no_leak
 
@@ -21,9 +21,9 @@ class CacheHarness:
                  eos_one_in: int = 0, **args) -> None:
         self.model = FakeModel(eos_one_in, content_dependent=True, max_total_tokens=max_total_tokens)
         self.outputs: list[BatchTokenOut] = []
-        self.sched = Scheduler(ServerArgs(model_path="fake", max_running_requests=max_running, **args),
-                               fake_model_info(max_total_tokens, context_len), self.model,
-                               self.outputs.append)
+        self.sched = create_scheduler(ServerArgs(model_path="fake", max_running_requests=max_running, **args),
+                                      fake_model_info(max_total_tokens, context_len), self.model,
+                                      self.outputs.append)
 
     def submit(self, rid: str, ids: list[int], max_new: int, salt: str = "", ignore_eos: bool = False) -> None:
         self.sched.process_input_requests([TokenizedGenerateReq(

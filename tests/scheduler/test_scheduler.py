@@ -6,6 +6,7 @@ import pytest
 
 from common.messages import AbortReq, BatchTokenOut, SamplingParams, TokenizedGenerateReq
 from common.server_args import ServerArgs
+from scheduler_proc.padded_batching import create_scheduler
 from scheduler_proc.scheduler import Scheduler
 from tests.scheduler.fake_model import EOS, FakeModel, fake_model_info, next_token
 
@@ -18,8 +19,8 @@ class Harness:
                           max_prefill_tokens=max_prefill_tokens, **args)
         self.model = FakeModel(eos_one_in)
         self.outputs: list[BatchTokenOut] = []
-        self.sched = Scheduler(args, fake_model_info(max_total_tokens, context_len), self.model,
-                               self.outputs.append)
+        self.sched = create_scheduler(args, fake_model_info(max_total_tokens, context_len), self.model,
+                                      self.outputs.append)
 
     def submit(self, rid: str, n_prompt: int, max_new: int, stream: bool = False,
                stop_ids: list[int] | None = None, ignore_eos: bool = False) -> None:
