@@ -350,15 +350,17 @@ class NativeAttnBackend(TorchAttnBackend):
                 meta: TorchAttnMetadata) -> torch.Tensor:
         if self.op is None:
             return super().forward(q, k, v, layer_id, meta)
-        self.kv_pool.store(layer_id, meta.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
-        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-            q = q.contiguous()
+        # the op needs each token's heads contiguous (a row stride of its own is fine)
+        q, k, v = (x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous() for x in (q, k, v))
         out = q.new_empty(q.shape)
+        # the op stores k/v into their slots first (KVPool.store, fused), and
+        # extend reads the new tokens back from the pool
         if meta.is_decode:
-            return self.op.decode(out, q, k_buf, v_buf, meta.kv_indptr, meta.kv_indices, self.scale, meta.max_len)
-        # the new tokens are read back from the pool, where store() just put them
-        return self.op.extend(out, q, k_buf, v_buf, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, self.scale)
+            return self.op.decode(out, q, k_buf, v_buf, meta.kv_indptr, meta.kv_indices, self.scale, meta.max_len,
+                                  k, v, meta.out_cache_loc)
+        return self.op.extend(out, q, k_buf, v_buf, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, self.scale,
+                              k, v, meta.out_cache_loc)
 
 
 @dataclass

@@ -30,8 +30,11 @@ _failure: str | None = None
 
 
 def build_dir() -> str:
-    """~/.cache/batchserve/native/<torch version>-<machine>-<cpu flags hash>:
-    the binary is built for this processor (-march=native) and this torch."""
+    """~/.cache/batchserve/native/<torch version>-<machine>-<cpu flags hash>-<source hash>:
+    the binary is built for this processor (-march=native), this torch and
+    this source. The source is in the name because checkouts share the cache
+    (worktrees, other branches): without it one checkout's build would
+    replace another's under the same name."""
     root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "batchserve", "native")
     flags = ""
     try:
@@ -40,7 +43,9 @@ def build_dir() -> str:
     except OSError:
         pass
     cpu = hashlib.sha1(flags.encode()).hexdigest()[:10]
-    path = os.path.join(root, f"torch{torch.__version__}-{platform.machine()}-{cpu}")
+    with open(SOURCE, "rb") as f:
+        source = hashlib.sha1(f.read() + " ".join(CFLAGS).encode()).hexdigest()[:10]
+    path = os.path.join(root, f"torch{torch.__version__}-{platform.machine()}-{cpu}-{source}")
     os.makedirs(path, exist_ok=True)
     return path
 

@@ -628,9 +628,40 @@ int64_t choose_splits(int64_t rows, int64_t max_len) {
   return splits;
 }
 
+// The KV store, fused ahead of the attention that reads it: the new tokens'
+// K/V rows (all KV heads of a token: one contiguous copy each) into their
+// slots loc. What KVPool.store does with two index_copy_ calls, minus two
+// op dispatches per layer.
+void store_kv(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& k_new, const at::Tensor& v_new,
+              const at::Tensor& loc) {
+  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1 && loc.is_contiguous(), "loc must be contiguous int64");
+  for (const at::Tensor* t : {&k_new, &v_new}) {
+    TORCH_CHECK(t->scalar_type() == k_buf.scalar_type() && t->dim() == 3 && t->size(0) == loc.size(0) &&
+                t->size(1) == k_buf.size(1) && t->size(2) == k_buf.size(2), "new K/V must be [tokens, kv_heads, D]");
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "new K/V need contiguous heads");
+  }
+  const int64_t n = loc.size(0), slots = k_buf.size(0);
+  const int64_t row = k_buf.stride(0) * k_buf.element_size();
+  const int64_t ks = k_new.stride(0) * k_new.element_size(), vs = v_new.stride(0) * v_new.element_size();
+  const int64_t* lp = loc.data_ptr<int64_t>();
+  char* kb = static_cast<char*>(k_buf.data_ptr());
+  char* vb = static_cast<char*>(v_buf.data_ptr());
+  const char* kn = static_cast<const char*>(k_new.data_ptr());
+  const char* vn = static_cast<const char*>(v_new.data_ptr());
+  const int64_t bytes = k_buf.size(1) * k_buf.size(2) * k_buf.element_size();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(lp[i] >= 0 && lp[i] < slots, "slot ", lp[i], " out of the pool");
+#pragma omp parallel for num_threads(threads_for(n / 256 + 1))
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(kb + lp[i] * row, kn + i * ks, bytes);
+    std::memcpy(vb + lp[i] * row, vn + i * vs, bytes);
+  }
+}
+
 at::Tensor decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                  const at::Tensor& kv_indptr, const at::Tensor& kv_indices, double scale, int64_t max_len) {
+                  const at::Tensor& kv_indptr, const at::Tensor& kv_indices, double scale, int64_t max_len,
+                  const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& loc) {
   check(out, q, k_buf, v_buf);
+  store_kv(k_buf, v_buf, k_new, v_new, loc);
   TORCH_CHECK(kv_indptr.scalar_type() == at::kLong && kv_indices.scalar_type() == at::kLong &&
               kv_indptr.is_contiguous() && kv_indices.is_contiguous(), "indices must be contiguous int64");
   TORCH_CHECK(kv_indptr.size(0) == q.size(0) + 1, "kv_indptr must have rows + 1 entries");
@@ -641,8 +672,9 @@ at::Tensor decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_buf, 
 
 at::Tensor extend(at::Tensor out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                   const at::Tensor& qo_indptr, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                  double scale) {
+                  double scale, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& loc) {
   check(out, q, k_buf, v_buf);
+  store_kv(k_buf, v_buf, k_new, v_new, loc);
   for (const at::Tensor* t : {&qo_indptr, &kv_indptr, &kv_indices})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "indices must be contiguous int64");
   TORCH_CHECK(qo_indptr.size(0) == kv_indptr.size(0), "qo_indptr and kv_indptr must have rows + 1 entries");
@@ -654,12 +686,15 @@ at::Tensor extend(at::Tensor out, const at::Tensor& q, const at::Tensor& k_buf, 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  m.def("decode", &decode, "decode attention over the paged pool (one new token per row)",
+  m.def("decode", &decode, "store the new K/V into their slots (loc), then decode attention over the paged pool",
         py::arg("out"), py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("kv_indptr"),
-        py::arg("kv_indices"), py::arg("scale"), py::arg("max_len"), py::call_guard<py::gil_scoped_release>());
-  m.def("extend", &extend, "extend attention: new tokens over their cached prefix and, causally, themselves",
+        py::arg("kv_indices"), py::arg("scale"), py::arg("max_len"), py::arg("k_new"), py::arg("v_new"),
+        py::arg("loc"), py::call_guard<py::gil_scoped_release>());
+  m.def("extend", &extend, "store the new K/V, then extend attention: new tokens over their cached prefix "
+        "and, causally, themselves",
         py::arg("out"), py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("qo_indptr"),
-        py::arg("kv_indptr"), py::arg("kv_indices"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+        py::arg("kv_indptr"), py::arg("kv_indices"), py::arg("scale"), py::arg("k_new"), py::arg("v_new"),
+        py::arg("loc"), py::call_guard<py::gil_scoped_release>());
   m.def("supports", &supports, "whether a kernel exists for this dtype name and head_dim");
   m.def("choose_splits", &choose_splits, "KV splits a decode step uses");
 #ifdef BS_AVX512
