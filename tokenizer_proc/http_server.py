@@ -2,10 +2,12 @@
 
 Routes live in three modules: `native_api` (SGLang's `/generate`),
 `openai_api` (`/v1/...`) and `ops_api` (health, info, aborts). Each request is
-tokenized and validated in its handler, sent to the scheduler, and the handler
-then sleeps until output arrives. A handler that ends early for any reason
-(client gone: aiohttp cancels it; an error) aborts its requests in `finally`,
-so the scheduler frees their KV at once.
+checked in its handler (everything that needs no tokens first, prompt
+lengths included), tokenized on the tokenizer pool's threads (never on the
+event loop), checked again against the context, sent to the scheduler, and
+the handler then sleeps until output arrives. A handler that ends early for
+any reason (client gone: aiohttp cancels it; an error) aborts its requests in
+`finally`, so the scheduler frees their KV at once.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from aiohttp import web
 from common.messages import IpcPaths, ModelInfo
 from common.server_args import ServerArgs
 from tokenizer_proc import native_api, openai_api, ops_api
-from tokenizer_proc.app_keys import HEALTH_GENERATE_TIMEOUT, MANAGER, MODEL_INFO, SERVER_ARGS, TOKENIZER
+from tokenizer_proc.app_keys import (HEALTH_GENERATE_TIMEOUT, MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, SERVER_ARGS,
+                                     TOKENIZER, TOKENIZER_POOL)
 from tokenizer_proc.manager import TokenizerManager
 from tokenizer_proc.middlewares import API_KEY, MAX_BODY, error_middleware, expect_handler, gate_middleware
-from tokenizer_proc.tokenizer import Tokenizer
+from tokenizer_proc.tokenizer import Tokenizer, TokenizerPool
+from tokenizer_proc.validation import prompt_char_limit
 
 __all__ = ["MANAGER", "build_app", "start_http"]
 
@@ -42,6 +46,8 @@ def build_app(
                           client_max_size=server_args.max_request_bytes)
     app[API_KEY] = server_args.api_key
     app[TOKENIZER] = tokenizer
+    app[TOKENIZER_POOL] = TokenizerPool()  # threads start on first use
+    app[PROMPT_CHAR_LIMIT] = prompt_char_limit(model_info.context_len, getattr(tokenizer, "max_token_chars", None))
     app[MODEL_INFO] = model_info
     app[SERVER_ARGS] = server_args
     app[MAX_BODY] = server_args.max_request_bytes
@@ -53,6 +59,7 @@ def build_app(
         manager.start()
         app[MANAGER] = manager
         yield
+        app[TOKENIZER_POOL].close()
         await manager.close()
 
     async def finish_in_flight(app: web.Application) -> None:
@@ -73,6 +80,9 @@ def build_app(
     r.add_get("/health_generate", ops_api.health_generate)
     r.add_get("/get_model_info", ops_api.get_model_info)
     r.add_get("/get_server_info", ops_api.get_server_info)
+    r.add_get("/model_info", ops_api.get_model_info)  # SGLang's newer names (sglang-router asks these first)
+    r.add_get("/server_info", ops_api.get_server_info)
+    r.add_get("/get_load", ops_api.get_load)
     r.add_route("*", "/flush_cache", ops_api.flush_cache)  # SGLang takes GET and POST
     r.add_get("/timeline", ops_api.timeline)
     r.add_get("/dashboard", ops_api.dashboard)

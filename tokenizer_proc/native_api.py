@@ -14,13 +14,13 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, TOKENIZER
+from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, TOKENIZER, TOKENIZER_POOL
 from tokenizer_proc.errors import json_response
 from tokenizer_proc.generation import Generation
 from tokenizer_proc.grammar import check_grammars
 from tokenizer_proc.logprobs import TokenTexts, native_token_logprobs, native_top_logprobs
 from tokenizer_proc.middlewares import read_body
-from tokenizer_proc.protocol import GenerateInput, parse_generate_request
+from tokenizer_proc.protocol import GenerateInput, check_generate_request
 from tokenizer_proc.request_output import RequestOutput
 from tokenizer_proc.sse import stream_events
 from tokenizer_proc.validation import parse_json_object
@@ -30,7 +30,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     tokenizer, info = request.app[TOKENIZER], request.app[MODEL_INFO]
     arrival = time.perf_counter()  # e2e latency includes reading and tokenizing
     body = parse_json_object(await read_body(request))
-    inp = parse_generate_request(body, tokenizer, info.context_len, info.vocab_size)
+    pending = check_generate_request(body, info.context_len, info.vocab_size, request.app[PROMPT_CHAR_LIMIT])
+    inp = pending.finish(await request.app[TOKENIZER_POOL].run(pending.encode, tokenizer))
     await check_grammars([spec.sampling_params.grammar for spec in inp.specs])
     gen = Generation(request.app[MANAGER], tokenizer, inp.specs, inp.stream, arrival)
     gen.submit()

@@ -15,13 +15,13 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, SERVER_ARGS, TOKENIZER
+from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, SERVER_ARGS, TOKENIZER, TOKENIZER_POOL
 from tokenizer_proc.errors import BadRequestError, ServiceUnavailableError, json_response
 from tokenizer_proc.generation import Generation
 from tokenizer_proc.grammar import check_grammars
 from tokenizer_proc.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from tokenizer_proc.middlewares import read_body
-from tokenizer_proc.openai_protocol import OpenAIInput, parse_chat_request, parse_completion_request
+from tokenizer_proc.openai_protocol import OpenAIInput, check_chat_request, check_completion_request
 from tokenizer_proc.request_output import RequestOutput
 from tokenizer_proc.shutdown import SHUTTING_DOWN
 from tokenizer_proc.sse import stream_events
@@ -64,7 +64,8 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     tokenizer, info = request.app[TOKENIZER], request.app[MODEL_INFO]
     arrival = time.perf_counter()
     body = parse_json_object(await read_body(request))
-    inp = (parse_chat_request if chat else parse_completion_request)(body, tokenizer, info)
+    pending = (check_chat_request if chat else check_completion_request)(body, info, request.app[PROMPT_CHAR_LIMIT])
+    inp = pending.finish(await request.app[TOKENIZER_POOL].run(pending.encode, tokenizer))
     await check_grammars([spec.sampling_params.grammar for spec in inp.specs])
     shaper = (ChatShaper if chat else CompletionShaper)(inp, served_model_name(request.app),
                                                         TokenTexts(tokenizer))
@@ -137,13 +138,13 @@ class Shaper:
         async for changed in gen.updates():
             for k in changed:
                 out = gen.outputs[k]
-                delta = out.text[sent_text[k]:]
+                delta = out.text_since(sent_text[k])
                 lp_end = out.text_ids_len() if self.inp.logprobs else 0
                 reason = finish_reason(out) if out.done else None  # raises for an abort
                 if not delta and lp_end == sent_lp[k] and reason is None:
                     continue  # text held back (a split character or a possible stop string)
                 yield self.chunk([self.delta_choice(k, out, delta, sent_lp[k], lp_end, reason)])
-                sent_text[k], sent_lp[k] = len(out.text), lp_end
+                sent_text[k], sent_lp[k] = out.text_len, lp_end
         if self.inp.include_usage:
             yield self.chunk([], usage=self.usage(gen.outputs))
 

@@ -20,13 +20,14 @@ from typing import Any
 from common.messages import Grammar, ModelInfo, SamplingParams
 from tokenizer_proc.errors import BadRequestError
 from tokenizer_proc.grammar import grammar_from_fields, grammar_from_response_format
-from tokenizer_proc.protocol import MAX_N, MAX_OUTPUTS, check_fits_context, check_prompt_ids, validate_sampling_params
+from tokenizer_proc.protocol import (MAX_N, MAX_OUTPUTS, check_fits_context, check_prompt_id_count, check_prompt_ids,
+                                     check_prompt_text, validate_sampling_params)
 from tokenizer_proc.request_spec import RequestSpec, fan_out_rids, seed_for_sample
 from tokenizer_proc.sglang_fields import OPENAI_FIELDS, check_fields
 from tokenizer_proc.tokenizer import Tokenizer
 from tokenizer_proc.validation import (cache_namespace, check_bool, check_cache_salt, check_int, check_int_list,
-                                       check_logit_bias, check_number, check_priority, check_range, check_stop, check_stop_regex,
-                                       check_timeout, is_int, optional)
+                                       check_logit_bias, check_number, check_priority, check_prompt_chars, check_range,
+                                       check_stop, check_stop_regex, check_timeout, is_int, optional)
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -105,10 +106,86 @@ def _max_tokens(body: dict[str, Any], default: int | None) -> int | None:
     return default
 
 
-def _build(body: dict[str, Any], prompts: list[list[int]], info: ModelInfo, prefix: str,
-           default_max_tokens: int | None, logprobs: bool, top_logprobs: int,
-           logprob_start_len: int = -1) -> OpenAIInput:
-    """Common to both routes: sampling, fan-out into n x prompts requests, rids."""
+@dataclass
+class PendingOpenAI:
+    """An OpenAI body that passed every check that needs no tokens; `encode`
+    (on the tokenizer pool: a chat template, or the prompts' tokens) and
+    `finish` (sampling and the context, per prompt) complete it."""
+
+    body: dict[str, Any]
+    info: ModelInfo
+    prefix: str  # the response id's: cmpl, chatcmpl
+    default_max_tokens: int | None  # None: whatever room the context leaves
+    logprobs: bool
+    top_logprobs: int
+    logprob_start_len: int
+    stream: bool
+    include_usage: bool
+    n: int
+    stop: list[str]
+    stop_regex: list[str]
+    no_stop_trim: bool
+    cache_salt: str
+    timeout: float | None
+    priority: int
+    prompts: list[Any] = field(default_factory=list)  # completions: str or ids, as sent
+    messages: list[dict[str, str]] | None = None  # chat, unless input_ids is given
+    echo: bool = False
+    hide_output: bool = False
+
+    def encode(self, tokenizer: Tokenizer) -> list[tuple[list[int], str]]:
+        """Each prompt's ids and text (echo's: as sent, or the ids decoded)."""
+        vocab = self.info.vocab_size
+        if self.messages is not None:
+            try:
+                ids = tokenizer.apply_chat_template(self.messages)
+            except Exception as e:  # the template's own checks (role order, ...) are client errors
+                raise BadRequestError(f"cannot apply the chat template: {e}") from None
+            return [(check_prompt_ids(ids, vocab), "")]
+        out = []
+        for p in self.prompts:
+            if isinstance(p, str):
+                out.append((check_prompt_ids(tokenizer.encode(p), vocab), p))
+            else:
+                ids = check_prompt_ids(p, vocab)
+                out.append((ids, tokenizer.decode(ids, skip_special_tokens=False) if self.echo else ""))
+        return out
+
+    def finish(self, encoded: list[tuple[list[int], str]]) -> OpenAIInput:
+        prompts = [ids for ids, _ in encoded]
+        info, body, n = self.info, self.body, self.n
+        request_id = f"{self.prefix}-{uuid.uuid4().hex}"
+        rids = iter(fan_out_rids(request_id, len(prompts) * n))
+        specs = []
+        for ids in prompts:
+            # No max_tokens in chat: whatever room the context (and the KV pool) leaves.
+            limit = min(info.context_len, info.max_total_tokens) - len(ids)
+            max_tokens = _max_tokens(body, self.default_max_tokens if self.default_max_tokens else max(limit, 1))
+            check_fits_context(len(ids), max_tokens, info.context_len, "max_tokens")
+            sp = _sampling(body, max_tokens, info.vocab_size)
+            for k in range(n):
+                sample = SamplingParams(**{f: getattr(sp, f) for f in sp.__struct_fields__})
+                sample.seed = seed_for_sample(sp.seed, k)
+                specs.append(RequestSpec(rid=next(rids), input_ids=ids, sampling_params=sample, stop=self.stop,
+                                         stop_regex=self.stop_regex, no_stop_trim=self.no_stop_trim,
+                                         return_logprob=self.logprobs, top_logprobs_num=self.top_logprobs,
+                                         logprob_start_len=self.logprob_start_len if self.logprobs else -1,
+                                         group=request_id if len(prompts) * n > 1 else None,
+                                         cache_salt=self.cache_salt, timeout_s=self.timeout,
+                                         priority=self.priority))
+        inp = OpenAIInput(request_id=request_id, specs=specs, prompt_tokens=sum(len(p) for p in prompts),
+                          stream=self.stream, include_usage=self.include_usage, logprobs=self.logprobs,
+                          top_logprobs=self.top_logprobs)
+        if self.echo:
+            inp.echo, inp.hide_output = True, self.hide_output
+            inp.echo_texts = [text for _, text in encoded for _ in range(n)]
+        return inp
+
+
+def _check_common(body: dict[str, Any], n_prompts: int, info: ModelInfo, prefix: str,
+                  default_max_tokens: int | None, logprobs: bool, top_logprobs: int,
+                  logprob_start_len: int = -1) -> PendingOpenAI:
+    """Common to both routes, before tokenizing: sampling, n, stop strings, ..."""
     _refuse_unless_default(body)
     stream = optional(body, "stream", check_bool, False)
     opts = body.get("stream_options")
@@ -118,7 +195,7 @@ def _build(body: dict[str, Any], prompts: list[list[int]], info: ModelInfo, pref
     n = optional(body, "n", check_int, 1)
     if not 1 <= n <= MAX_N:
         raise BadRequestError(f"n must be in [1, {MAX_N}]")
-    if len(prompts) * n > MAX_OUTPUTS:
+    if n_prompts * n > MAX_OUTPUTS:
         raise BadRequestError(f"at most {MAX_OUTPUTS} choices per request (prompts x n)")
     stop = optional(body, "stop", check_stop, [])
     stop_regex = optional(body, "stop_regex", check_stop_regex, [])
@@ -130,60 +207,48 @@ def _build(body: dict[str, Any], prompts: list[list[int]], info: ModelInfo, pref
     # Any model name is accepted: this server serves one model, and answers with its name.
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise BadRequestError("model must be a string")
-
-    request_id = f"{prefix}-{uuid.uuid4().hex}"
-    rids = iter(fan_out_rids(request_id, len(prompts) * n))
-    specs = []
-    for ids in prompts:
-        # No max_tokens in chat: whatever room the context (and the KV pool) leaves.
-        limit = min(info.context_len, info.max_total_tokens) - len(ids)
-        max_tokens = _max_tokens(body, default_max_tokens if default_max_tokens else max(limit, 1))
-        check_fits_context(len(ids), max_tokens, info.context_len, "max_tokens")
-        sp = _sampling(body, max_tokens, info.vocab_size)
-        for k in range(n):
-            sample = SamplingParams(**{f: getattr(sp, f) for f in sp.__struct_fields__})
-            sample.seed = seed_for_sample(sp.seed, k)
-            specs.append(RequestSpec(rid=next(rids), input_ids=ids, sampling_params=sample, stop=stop,
-                                     stop_regex=stop_regex, no_stop_trim=no_stop_trim,
-                                     return_logprob=logprobs, top_logprobs_num=top_logprobs,
-                                     logprob_start_len=logprob_start_len if logprobs else -1,
-                                     group=request_id if len(prompts) * n > 1 else None,
-                                     cache_salt=cache_salt, timeout_s=timeout, priority=priority))
-    return OpenAIInput(request_id=request_id, specs=specs, prompt_tokens=sum(len(p) for p in prompts),
-                       stream=stream, include_usage=include_usage, logprobs=logprobs,
-                       top_logprobs=top_logprobs)
+    # The sampling fields' own checks, now: with the largest max_tokens any
+    # prompt could get (finish() checks again with the prompt's own).
+    room = min(info.context_len, info.max_total_tokens)
+    _sampling(body, _max_tokens(body, default_max_tokens or room), info.vocab_size)
+    return PendingOpenAI(body=body, info=info, prefix=prefix, default_max_tokens=default_max_tokens,
+                         logprobs=logprobs, top_logprobs=top_logprobs, logprob_start_len=logprob_start_len,
+                         stream=stream, include_usage=include_usage, n=n, stop=stop, stop_regex=stop_regex,
+                         no_stop_trim=no_stop_trim, cache_salt=cache_salt, timeout=timeout, priority=priority)
 
 
 # ---- /v1/completions -------------------------------------------------------------------------
 
 
-def _completion_prompts(prompt: Any, tokenizer: Tokenizer, vocab_size: int) -> list[tuple[list[int], str]]:
+def _completion_prompts(prompt: Any, context_len: int, char_limit: int | None) -> list[Any]:
     """A string, a list of strings, a list of token ids, or a list of lists of
-    ids; each with its text (as sent, or the ids decoded)."""
+    ids; checked without tokenizing."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(is_int(x) for x in prompt):
+    elif isinstance(prompt, list) and prompt and is_int(prompt[0]):  # one prompt's ids (checked below)
         items = [prompt]
     elif isinstance(prompt, list) and prompt:
         items = prompt
     else:
         raise BadRequestError("prompt must be a string, a list of strings, or token ids")
-    prompts = []
-    for p in items:
+    if len(items) > MAX_OUTPUTS:
+        raise BadRequestError(f"at most {MAX_OUTPUTS} prompts per request")
+    for k, p in enumerate(items):
         if isinstance(p, str):
-            prompts.append((check_prompt_ids(tokenizer.encode(p) if p else [], vocab_size), p))
+            check_prompt_text(p, "prompt" if len(items) == 1 else f"prompt[{k}]", char_limit)
         elif isinstance(p, list):
-            ids = check_prompt_ids(check_int_list("prompt", p), vocab_size)
-            prompts.append((ids, tokenizer.decode(ids, skip_special_tokens=False)))
+            check_prompt_id_count(p, context_len)
+            check_int_list("prompt", p)
         else:
             raise BadRequestError("prompt must be a string, a list of strings, or token ids")
-    return prompts
+    return items
 
 
-def parse_completion_request(body: dict[str, Any], tokenizer: Tokenizer, info: ModelInfo) -> OpenAIInput:
+def check_completion_request(body: dict[str, Any], info: ModelInfo,
+                             char_limit: int | None = None) -> PendingOpenAI:
     if "prompt" not in body:
         raise BadRequestError("prompt is required")
-    prompts = _completion_prompts(body["prompt"], tokenizer, info.vocab_size)
+    prompts = _completion_prompts(body["prompt"], info.context_len, char_limit)
     top = optional(body, "logprobs", check_int, None)
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise BadRequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
@@ -196,13 +261,18 @@ def parse_completion_request(body: dict[str, Any], tokenizer: Tokenizer, info: M
             # the prompt alone (lm-eval's log-likelihood): the server generates
             # at least one token; it is neither shown nor counted
             body, hide_output = {**body, "max_tokens": 1}, True
-    inp = _build(body, [ids for ids, _ in prompts], info, "cmpl", COMPLETIONS_DEFAULT_MAX_TOKENS,
-                 logprobs=top is not None, top_logprobs=top or 0, logprob_start_len=0 if echo else -1)
-    if echo:
-        n = len(inp.specs) // len(prompts)
-        inp.echo, inp.hide_output = True, hide_output
-        inp.echo_texts = [text for _, text in prompts for _ in range(n)]
-    return inp
+    pending = _check_common(body, len(prompts), info, "cmpl", COMPLETIONS_DEFAULT_MAX_TOKENS,
+                            logprobs=top is not None, top_logprobs=top or 0, logprob_start_len=0 if echo else -1)
+    pending.prompts, pending.echo, pending.hide_output = prompts, echo, hide_output
+    return pending
+
+
+def parse_completion_request(body: dict[str, Any], tokenizer: Tokenizer, info: ModelInfo,
+                             char_limit: int | None = None) -> OpenAIInput:
+    """All steps in one call, on the caller's thread (the HTTP handler runs
+    `encode` on the tokenizer pool instead)."""
+    pending = check_completion_request(body, info, char_limit)
+    return pending.finish(pending.encode(tokenizer))
 
 
 # ---- /v1/chat/completions --------------------------------------------------------------------
@@ -239,16 +309,16 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
     return out
 
 
-def parse_chat_request(body: dict[str, Any], tokenizer: Tokenizer, info: ModelInfo) -> OpenAIInput:
+def check_chat_request(body: dict[str, Any], info: ModelInfo, char_limit: int | None = None) -> PendingOpenAI:
     messages = chat_messages(body.get("messages"))
+    ids = None
     if body.get("input_ids") is not None:  # SGLang's: the prompt's ids, instead of the template
-        ids = check_int_list("input_ids", body["input_ids"])
-    else:
-        try:
-            ids = tokenizer.apply_chat_template(messages)
-        except Exception as e:  # the template's own checks (role order, ...) are client errors
-            raise BadRequestError(f"cannot apply the chat template: {e}") from None
-    check_prompt_ids(ids, info.vocab_size)
+        ids = body["input_ids"]
+        if isinstance(ids, list):
+            check_prompt_id_count(ids, info.context_len)
+        check_int_list("input_ids", ids)
+    else:  # the template adds a little: the messages' text alone must fit
+        check_prompt_chars("messages", "".join(m["content"] for m in messages), char_limit)
     logprobs = optional(body, "logprobs", check_bool, False)
     top = optional(body, "top_logprobs", check_int, 0)
     if not 0 <= top <= MAX_TOP_LOGPROBS:
@@ -257,4 +327,15 @@ def parse_chat_request(body: dict[str, Any], tokenizer: Tokenizer, info: ModelIn
         raise BadRequestError("top_logprobs needs logprobs to be true")
     if optional(body, "echo", check_bool, False):
         raise BadRequestError("echo is not supported on chat completions (only on /v1/completions)")
-    return _build(body, [ids], info, "chatcmpl", None, logprobs=logprobs, top_logprobs=top)
+    pending = _check_common(body, 1, info, "chatcmpl", None, logprobs=logprobs, top_logprobs=top)
+    if ids is None:
+        pending.messages = messages
+    else:
+        pending.prompts = [ids]
+    return pending
+
+
+def parse_chat_request(body: dict[str, Any], tokenizer: Tokenizer, info: ModelInfo,
+                       char_limit: int | None = None) -> OpenAIInput:
+    pending = check_chat_request(body, info, char_limit)
+    return pending.finish(pending.encode(tokenizer))

@@ -2,7 +2,11 @@
 
 Everything a client can get wrong is caught here and raised as
 `BadRequestError`, which the HTTP layer turns into a 400; nothing invalid
-ever reaches the scheduler. One body becomes one `RequestSpec` per output:
+ever reaches the scheduler. Checks run in two rounds around tokenizing:
+`check_generate_request` does everything that needs no tokens (so a prompt
+too long to ever fit is refused before anything tokenizes it), then the
+handler encodes the prompts off the event loop, and `PendingGenerate.finish`
+checks them against the context. One body becomes one `RequestSpec` per output:
 a list of prompts and `n` samples fan out into len(prompts) * n requests,
 prompt-major (all samples of prompt 0 first), which is the answer's order.
 """
@@ -20,11 +24,12 @@ from tokenizer_proc.request_spec import RequestSpec, fan_out_rids, seed_for_samp
 from tokenizer_proc.sglang_fields import GENERATE_FIELDS, SAMPLING_FIELDS, check_fields
 from tokenizer_proc.tokenizer import Tokenizer
 from tokenizer_proc.validation import (cache_namespace, check_bool, check_cache_salt, check_int, check_int_list,
-                                       check_logit_bias, check_number, check_stop, check_priority, check_stop_regex, check_timeout,
-                                       is_int, optional, parse_json_object)
+                                       check_logit_bias, check_number, check_priority, check_prompt_chars, check_rid,
+                                       check_stop, check_stop_regex, check_timeout, optional, parse_json_object)
 
-__all__ = ["BadRequestError", "GenerateInput", "SamplingInput", "parse_generate_request", "parse_json_object",
-           "parse_sampling_params", "check_prompt_ids", "check_fits_context"]
+__all__ = ["BadRequestError", "GenerateInput", "PendingGenerate", "SamplingInput", "check_generate_request",
+           "parse_generate_request", "parse_json_object", "parse_sampling_params", "check_prompt_ids",
+           "check_fits_context", "check_prompt_id_count", "check_prompt_text", "encode_prompts"]
 
 MAX_N = 128  # samples of one prompt
 # Bounds that keep every value inside the int64 tensors of the scheduler and the
@@ -167,24 +172,56 @@ def check_fits_context(n_prompt: int, max_new_tokens: int, context_len: int,
             f"({context_len} tokens)")
 
 
-def _prompts(body: dict[str, Any], tokenizer: Tokenizer, vocab_size: int) -> tuple[list[list[int]], bool]:
-    """The prompts' token ids, and whether the body held a list of prompts."""
+Prompt = str | list[int]  # a text to tokenize, or the client's token ids
+
+
+def _prompt_sources(body: dict[str, Any], context_len: int,
+                    char_limit: int | None) -> tuple[list[Prompt], bool]:
+    """The prompts as sent, checked without tokenizing (types, count, length),
+    and whether the body held a list of prompts."""
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise BadRequestError("exactly one of text or input_ids must be given")
     if text is not None:
         batched = isinstance(text, list)
-        texts = text if batched else [text]
-        if not all(isinstance(t, str) for t in texts):
+        prompts: list[Any] = text if batched else [text]
+        if not all(isinstance(t, str) for t in prompts):
             raise BadRequestError("text must be a string or a list of strings")
-        prompts = [tokenizer.encode(t) if t else [] for t in texts]
     else:
         batched = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
-        lists = input_ids if batched else [input_ids]
-        prompts = [check_int_list("input_ids", ids) for ids in lists]
+        prompts = input_ids if batched else [input_ids]
     if not prompts:
         raise BadRequestError("the list of prompts is empty")
-    return [check_prompt_ids(ids, vocab_size) for ids in prompts], batched
+    if len(prompts) > MAX_OUTPUTS:
+        raise BadRequestError(f"at most {MAX_OUTPUTS} prompts per request")
+    for k, p in enumerate(prompts):
+        if text is not None:
+            check_prompt_text(p, f"text[{k}]" if batched else "text", char_limit)
+        else:  # the count first: a type scan of a million ids would hold up the loop
+            if isinstance(p, list):
+                check_prompt_id_count(p, context_len)
+            check_int_list("input_ids", p)
+    return prompts, batched
+
+
+def check_prompt_text(p: str, label: str, char_limit: int | None) -> None:
+    """Before tokenizing: not empty, and not so long it cannot fit the context."""
+    if not p:
+        raise BadRequestError("the prompt is empty")
+    check_prompt_chars(label, p, char_limit)
+
+
+def check_prompt_id_count(p: list[int], context_len: int) -> None:
+    """Before the ids' range check: not empty, and leaving room for a token."""
+    if not p:
+        raise BadRequestError("the prompt is empty")
+    if len(p) >= context_len:
+        check_fits_context(len(p), 1, context_len)  # raises: no room for a new token
+
+
+def encode_prompts(tokenizer: Tokenizer, prompts: list[Prompt], vocab_size: int) -> list[list[int]]:
+    """The prompts' token ids. Runs on the tokenizer pool, off the event loop."""
+    return [check_prompt_ids(tokenizer.encode(p) if isinstance(p, str) else p, vocab_size) for p in prompts]
 
 
 def _client_rids(rid: Any, n_prompts: int, batched: bool) -> list[str]:
@@ -194,17 +231,68 @@ def _client_rids(rid: Any, n_prompts: int, batched: bool) -> list[str]:
         base = uuid.uuid4().hex
         return [base] if n_prompts == 1 else [f"{base}-{p}" for p in range(n_prompts)]
     if isinstance(rid, str) and rid:
+        check_rid("rid", rid)
         return [rid] if n_prompts == 1 else [f"{rid}-{p}" for p in range(n_prompts)]
     if isinstance(rid, list) and batched:
         if len(rid) != n_prompts or not all(isinstance(r, str) and r for r in rid):
             raise BadRequestError("rid must be a list of non-empty strings, one per prompt")
+        for r in rid:
+            check_rid("rid", r)
         return rid
     raise BadRequestError("rid must be a non-empty string" + (" or a list of them" if batched else ""))
 
 
-def parse_generate_request(
-    body: dict[str, Any], tokenizer: Tokenizer, context_len: int, vocab_size: int
-) -> GenerateInput:
+@dataclass
+class PendingGenerate:
+    """A /generate body that passed every check that needs no tokens; `encode`
+    (on the tokenizer pool) and `finish` (the checks against the context)
+    complete it."""
+
+    prompts: list[Prompt]
+    sampling: list[SamplingInput]
+    bases: list[str]
+    batched: bool
+    stream: bool
+    return_logprob: bool
+    top_n: int
+    text_in_logprobs: bool
+    start: int
+    cache_salt: str
+    timeout: float | None
+    priority: int
+    context_len: int
+    vocab_size: int
+
+    def encode(self, tokenizer: Tokenizer) -> list[list[int]]:
+        return encode_prompts(tokenizer, self.prompts, self.vocab_size)
+
+    def finish(self, prompts: list[list[int]]) -> GenerateInput:
+        start, n = self.start, self.sampling[0].n
+        for ids, s in zip(prompts, self.sampling):
+            check_fits_context(len(ids), s.params.max_new_tokens, self.context_len)
+            if not -1 <= start < len(ids):
+                raise BadRequestError(f"logprob_start_len ({start}) must be -1 or below the prompt length "
+                                      f"({len(ids)} tokens)")
+        specs = []
+        for ids, base, s in zip(prompts, self.bases, self.sampling):
+            sp = s.params
+            for k, rid in enumerate(fan_out_rids(base, n)):
+                specs.append(RequestSpec(
+                    rid=rid, input_ids=ids,
+                    sampling_params=SamplingParams(**{**_fields(sp), "seed": seed_for_sample(sp.seed, k)}),
+                    stop=s.stop, stop_regex=s.stop_regex, no_stop_trim=s.no_stop_trim,
+                    return_logprob=self.return_logprob, top_logprobs_num=self.top_n, logprob_start_len=start,
+                    group=base if n > 1 else None, cache_salt=self.cache_salt, timeout_s=self.timeout,
+                    priority=self.priority))
+        return GenerateInput(specs=specs, stream=self.stream, batched=self.batched,
+                             return_text_in_logprobs=self.text_in_logprobs)
+
+
+def check_generate_request(body: dict[str, Any], context_len: int, vocab_size: int,
+                           char_limit: int | None = None) -> PendingGenerate:
+    """Every check that needs no tokens, cheap enough for the event loop: field
+    names and types, the number of prompts and of samples, rids, stop strings,
+    and each prompt's length in characters (or ids)."""
     check_fields(body, GENERATE_FIELDS, defined_by="SGLang's GenerateReqInput")
     stream = optional(body, "stream", check_bool, False)
     return_logprob = optional(body, "return_logprob", check_bool, False)
@@ -218,32 +306,27 @@ def parse_generate_request(
     timeout = optional(body, "timeout", check_timeout, None)
     priority = optional(body, "priority", check_priority, 0)
 
-    prompts, batched = _prompts(body, tokenizer, vocab_size)
+    prompts, batched = _prompt_sources(body, context_len, char_limit)
     sampling = _sampling_per_prompt(body.get("sampling_params"), len(prompts), vocab_size)
     n = sampling[0].n
-    for ids, s in zip(prompts, sampling):
-        check_fits_context(len(ids), s.params.max_new_tokens, context_len)
-        if not -1 <= start < len(ids):
-            raise BadRequestError(f"logprob_start_len ({start}) must be -1 or below the prompt length "
-                                  f"({len(ids)} tokens)")
     if len(prompts) * n > MAX_OUTPUTS:
         raise BadRequestError(f"at most {MAX_OUTPUTS} outputs per request (prompts x n)")
     batched = batched or n > 1
     bases = _client_rids(body.get("rid"), len(prompts), batched)
+    return PendingGenerate(prompts=prompts, sampling=sampling, bases=bases, batched=batched, stream=stream,
+                           return_logprob=return_logprob, top_n=top_n, text_in_logprobs=text_in_logprobs,
+                           start=start, cache_salt=cache_salt, timeout=timeout, priority=priority,
+                           context_len=context_len, vocab_size=vocab_size)
 
-    specs = []
-    for ids, base, s in zip(prompts, bases, sampling):
-        sp = s.params
-        for k, rid in enumerate(fan_out_rids(base, n)):
-            specs.append(RequestSpec(
-                rid=rid, input_ids=ids,
-                sampling_params=SamplingParams(**{**_fields(sp), "seed": seed_for_sample(sp.seed, k)}),
-                stop=s.stop, stop_regex=s.stop_regex, no_stop_trim=s.no_stop_trim,
-                return_logprob=return_logprob, top_logprobs_num=top_n, logprob_start_len=start,
-                group=base if n > 1 else None, cache_salt=cache_salt, timeout_s=timeout,
-                priority=priority))
-    return GenerateInput(specs=specs, stream=stream, batched=batched,
-                         return_text_in_logprobs=text_in_logprobs)
+
+def parse_generate_request(
+    body: dict[str, Any], tokenizer: Tokenizer, context_len: int, vocab_size: int,
+    char_limit: int | None = None,
+) -> GenerateInput:
+    """All three steps in one call, on the caller's thread (the HTTP handler
+    runs `encode` on the tokenizer pool instead)."""
+    pending = check_generate_request(body, context_len, vocab_size, char_limit)
+    return pending.finish(pending.encode(tokenizer))
 
 
 def _sampling_per_prompt(obj: Any, n_prompts: int, vocab_size: int) -> list[SamplingInput]:

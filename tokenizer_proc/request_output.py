@@ -41,11 +41,35 @@ class RequestOutput:
             if spec.matches_text else None
         self.fed = 0  # state.output_ids consumed so far
         self.ids: list[int] = []  # output ids shown (cut after the token that completed a stop string)
-        self.text = ""  # text shown: detokenized, stop string and anything after it removed
+        # text shown (detokenized, stop string and anything after it removed), in
+        # the pieces it came in: appending to one string would copy it all per token
+        self._parts: list[str] = []
+        self.text_len = 0
         self.token_logprobs: list[float] = []  # aligned with ids when asked for
         self.top_logprobs: list[list[tuple[float, int]]] = []
         self.finish_reason: dict[str, Any] | None = None
         self.stopped_here = False  # finished here (a stop string), before the scheduler knew
+
+    @property
+    def text(self) -> str:
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def text_since(self, offset: int) -> str:
+        """text[offset:], at the cost of the pieces after `offset` only."""
+        tail, pos = [], self.text_len
+        for part in reversed(self._parts):
+            if pos <= offset:
+                break
+            pos -= len(part)
+            tail.append(part)
+        return "".join(reversed(tail))[offset - pos:]
+
+    def _append(self, delta: str) -> None:
+        if delta:
+            self._parts.append(delta)
+            self.text_len += len(delta)
 
     @property
     def rid(self) -> str:
@@ -85,7 +109,7 @@ class RequestOutput:
             if self._show(self.detok.flush()):
                 return True
             if self.matcher:
-                self.text += self.matcher.flush()
+                self._append(self.matcher.flush())
             self.finish_reason = st.finish_reason
         return True
 
@@ -99,10 +123,10 @@ class RequestOutput:
     def _show(self, delta: str) -> bool:
         """Appends text (through the stop matcher); True when a stop string matched."""
         if self.matcher is None:
-            self.text += delta
+            self._append(delta)
             return False
         try:
-            self.text += self.matcher.feed(delta)
+            self._append(self.matcher.feed(delta))
         except StopRegexTimeout as e:  # this request ends, with the reason
             self.finish_reason = {"type": "abort", "message": str(e)}
             self.stopped_here = True

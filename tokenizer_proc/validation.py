@@ -108,6 +108,8 @@ def check_stop(name: str, v: Any) -> list[str]:
         raise BadRequestError(f"{name} must not contain an empty string")
     if len(stops) > MAX_STOP_STRINGS:
         raise BadRequestError(f"{name} may hold at most {MAX_STOP_STRINGS} strings")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise BadRequestError(f"{name}: a stop string may have at most {MAX_STOP_CHARS} characters")
     return list(dict.fromkeys(stops))  # drop duplicates, keep order
 
 
@@ -145,3 +147,28 @@ def optional(body: dict[str, Any], key: str, check: Any, default: Any) -> Any:
 
 
 MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024  # text that may begin a stop string is held back: at most this much
+MAX_RID_CHARS = 256
+
+
+def check_rid(name: str, v: Any) -> str:
+    if not isinstance(v, str) or not v or len(v) > MAX_RID_CHARS:
+        raise BadRequestError(f"{name} must be a non-empty string of at most {MAX_RID_CHARS} characters")
+    return v
+
+
+def check_prompt_chars(name: str, text: str, limit: int | None) -> None:
+    """Refuses, before tokenizing, a prompt too long to fit the context whatever
+    its tokens: `limit` is the context length times the most characters one
+    token can stand for (`prompt_char_limit`)."""
+    if limit is not None and len(text) > limit:
+        raise BadRequestError(
+            f"{name} has {len(text)} characters, more than can fit the model's context "
+            f"(at most {limit}: the context length times the longest token's characters); "
+            "it was refused before tokenizing")
+
+
+def prompt_char_limit(context_len: int, max_token_chars: int | None) -> int | None:
+    """The most characters a prompt that fits `context_len` tokens can have
+    (None: the tokenizer does not say, and only the body size bounds it)."""
+    return None if not max_token_chars else context_len * max_token_chars

@@ -62,3 +62,63 @@ def test_flush_emits_incomplete_tail(sp_model_file: Path) -> None:
 
 def test_round_trip_smollm2(default_model_dir: str) -> None:
     check_round_trip(load_tokenizer(default_model_dir), TEXT + " “quotes”  two  spaces \n")
+
+
+class CountingTokenizer:
+    """Records how many ids each decode call gets."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok, self.sizes = tok, []
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.sizes.append(len(ids))
+        return self.tok.decode(ids, skip_special_tokens)
+
+
+def test_the_decode_window_stays_short_whatever_the_tokens(sp_model_file: Path) -> None:
+    """20k tokens that never make text (skipped special tokens) or never make a
+    character (stray bytes): each step decodes a few tokens, not the output so far."""
+    from tokenizer_proc.detokenizer import MAX_HELD_TOKENS
+
+    tok = load_tokenizer(str(sp_model_file))
+    stray = tok.sp.piece_to_id("<0x80>")  # a UTF-8 continuation byte alone
+    eos = tok.eos_token_ids[0]
+    head, tail = tok.encode("ok"), tok.encode(" again")[1:]
+    for filler in (eos, stray):
+        ids = head + [filler] * 20_000 + tail
+        counting = CountingTokenizer(tok)
+        detok = IncrementalDetokenizer(counting)  # type: ignore[arg-type]
+        text = "".join(detok.add([i]) for i in ids) + detok.flush()
+        assert max(counting.sizes) <= 2 * MAX_HELD_TOKENS + 8, max(counting.sizes)
+        assert text == tok.decode(ids), filler
+
+
+def test_appending_a_token_to_a_long_output_copies_only_the_new_text(sp_model_file: Path) -> None:
+    """RequestOutput keeps its text in pieces: one more token allocates about
+    its own text, not the whole output (20k tokens in)."""
+    import tracemalloc
+
+    from common.messages import SamplingParams
+    from tokenizer_proc.manager import ReqState
+    from tokenizer_proc.request_output import RequestOutput
+    from tokenizer_proc.request_spec import RequestSpec
+
+    tok = load_tokenizer(str(sp_model_file))
+    word = tok.encode(" hello")[1:]
+    for stop in ([], ["never seen"]):
+        state = ReqState(rid="r", prompt_tokens=1, arrival=0.0)
+        spec = RequestSpec(rid="r", input_ids=[1], sampling_params=SamplingParams(), stop=stop)
+        out = RequestOutput(state, spec, tok)
+        for _ in range(20_000):
+            state.output_ids.extend(word)
+            out.update()
+        assert out.text_len > 100_000 and out.text.startswith("hello hello")
+        assert out.text_since(out.text_len - 12) == " hello hello"
+        tracemalloc.start()
+        try:
+            state.output_ids.extend(word)
+            out.update()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 20_000, peak  # the text is over 100 kB

@@ -103,3 +103,46 @@ def test_a_regex_that_takes_too_long_raises_instead_of_stalling() -> None:
     m = StopStringMatcher([], [r"(.*a){20}b"])
     with pytest.raises(StopRegexTimeout, match="took more than"):
         m.feed("a" * 300)
+
+
+def test_work_per_token_does_not_grow_with_the_output() -> None:
+    """A 20k-token stream past stop strings that keep almost matching and a
+    regex whose partial match never ends: each feed examines the new text (per
+    stop string) and at most the bounded hold-back, at the end as at the start."""
+    from tokenizer_proc.stop_strings import MAX_REGEX_HOLD_CHARS
+
+    stops, regexes = ["abcabd", "x" * 1000], [r"BEGIN[^!]*END"]
+    m = StopStringMatcher(stops, regexes)
+    rng = random.Random(0)
+    pieces = ["BEGIN "] + [rng.choice(["abcab", "ab", "c", "xx", " word", "\n"]) for _ in range(20_000)]
+    shown, per_feed = [], []
+    for p in pieces:
+        before = m.scanned
+        shown.append(m.feed(p))
+        per_feed.append(m.scanned - before)
+        assert len(m.pending) <= MAX_REGEX_HOLD_CHARS
+    shown.append(m.flush())
+    assert m.matched is None and "".join(shown) == "".join(pieces)
+    longest_piece = max(len(p) for p in pieces)
+    # stop strings read the new text once each; each regex searches the held text twice
+    bound = len(stops) * longest_piece + 2 * len(regexes) * (MAX_REGEX_HOLD_CHARS + longest_piece)
+    assert max(per_feed) <= bound
+    first, last = per_feed[1000:2000], per_feed[-1000:]
+    assert sum(last) <= 1.1 * sum(first)  # flat, not growing with the output
+
+
+def test_a_regex_match_longer_than_the_hold_back_is_not_found() -> None:
+    from tokenizer_proc.stop_strings import MAX_REGEX_HOLD_CHARS
+
+    body = "a" * (MAX_REGEX_HOLD_CHARS + 10)
+    shown, matched = run([], ["<<", body, ">>"], regexes=[r"<<a*>>"])
+    assert matched is None and "".join(shown) == "<<" + body + ">>"
+    shown, matched = run([], ["<<", "a" * 10, ">>"], regexes=[r"<<a*>>"])
+    assert matched == r"<<a*>>" and "".join(shown) == ""
+
+
+def test_a_long_stop_string_is_found_across_many_pieces() -> None:
+    stop = "ab" * 400 + "c"
+    text = "ab" * 1000 + "c tail"
+    shown, matched = run([stop, "zz"], [text[i:i + 3] for i in range(0, len(text), 3)])
+    assert matched == stop and "".join(shown) == text[:text.index(stop)]
