@@ -1,0 +1,174 @@
+"""The front end never stalls: while 6 clients stream tokens, 10 others post
+4 MiB prompts (to /generate, /v1/completions and /v1/chat/completions, all
+at once, twice); what the front end adds to the streams' gaps grows by at
+most 100 ms over the same streams on a quiet server.
+
+What the front end adds is measured per event: from when the scheduler
+produced the oldest token the event newly shows (its /timeline) to the
+event's arrival; a stalled event loop delays it by the stall. The streams'
+largest raw gap between two events is printed too: on a quiet machine it
+moves with the delay, but on a 2-core machine shared with other work it is
+dominated by the model's step times, which vary by seconds.
+
+A 4 MiB prompt is longer than any prompt that can fit the context (context
+length x the longest token's characters), so it is refused with a 400 before
+anything tokenizes it; a prompt that passes that check is tokenized on the
+tokenizer pool's threads (tests/tokenizer_proc/test_off_loop.py). What is
+left on the event loop per post is reading and decoding the body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+
+import aiohttp
+import pytest
+import requests
+
+from tests.e2e.server_process import ServerProcess
+from tests.reliability.server_probe import shut_down, wait_idle
+
+STREAMS = 6
+POSTERS = 10
+BURSTS = 2  # the posters post together this many times during the streams
+PROMPT_BYTES = 4 * 2**20
+MAX_GROWTH_S = 0.100  # the issue's bound
+TOKENS = 64  # per stream: a few seconds on a quiet 2-core CPU
+# Quiet and loaded runs, alternated; the smallest largest-gap of each kind is
+# compared (best of ROUNDS: a busy machine's scheduling noise, which only
+# adds, is filtered out; a stall of the front end would show in every run).
+ROUNDS = 3
+STREAM_BODY = {"text": "Once upon a time", "stream": True,
+               "sampling_params": {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--max-running-requests", "16")
+    yield srv
+    shut_down(srv)
+
+
+def huge_bodies() -> list[tuple[str, bytes]]:
+    text = ("The quick brown fox jumps over the lazy dog. " * (PROMPT_BYTES // 45 + 1))[:PROMPT_BYTES]
+    bodies = [("/generate", {"text": text, "sampling_params": {"max_new_tokens": 4}}),
+              ("/v1/completions", {"prompt": text, "max_tokens": 4}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 4})]
+    return [(path, json.dumps(body).encode()) for path, body in bodies]
+
+
+async def stream_events(session: aiohttp.ClientSession, url: str, rid: str, started: asyncio.Event,
+                        count: list[int]) -> list[tuple[float, int]]:
+    """(wall time received, output tokens shown) of each event of one stream."""
+    events = []
+    async with session.post(url + "/generate", json={**STREAM_BODY, "rid": rid}) as resp:
+        assert resp.status == 200
+        async for raw in resp.content:
+            if raw.startswith(b"data: {"):
+                events.append((time.time(), json.loads(raw[6:])["meta_info"]["completion_tokens"]))
+                if len(events) == 1:
+                    count[0] += 1
+                    if count[0] == STREAMS:
+                        started.set()
+    assert len(events) >= TOKENS // 2, len(events)
+    return events
+
+
+def largest_gap(events: list[tuple[float, int]]) -> float:
+    """Between two consecutive events, from the first on (the prefill before
+    it is not the front end's)."""
+    return max(b[0] - a[0] for a, b in zip(events, events[1:]))
+
+
+def largest_delivery_delay(url: str, rid: str, events: list[tuple[float, int]], since: float) -> float:
+    """The front end's share of the gaps: for each event, from when the
+    scheduler produced the oldest token it newly shows (its /timeline: the
+    request's first_token, then one decode step each) to the event's arrival.
+    A stalled front end delays it; a slow or busy model does not."""
+    timeline = requests.get(f"{url}/timeline", params={"since": since}, timeout=30).json()["events"]
+    first = next(e["t"] for e in timeline if e.get("rid") == rid and e.get("event") == "first_token")
+    produced = [first] + sorted(e["t"] for e in timeline if e["type"] == "step" and e["kind"] == "decode"
+                                and e["t"] > first)
+    worst, shown = 0.0, 0
+    for t, tokens in events:
+        if tokens > shown:
+            worst = max(worst, t - produced[min(shown, len(produced) - 1)])
+            shown = tokens
+    return worst
+
+
+def post_huge(url: str, bodies: list[tuple[str, bytes]], go: threading.Event,
+              results: list[tuple[int, str]]) -> None:
+    """The posters, on a thread and an event loop of their own, so sending
+    40 MiB does not delay the streams' reading in the test itself."""
+    async def one(session: aiohttp.ClientSession, path: str, data: bytes) -> None:
+        try:
+            async with session.post(url + path, data=data, headers={"Content-Type": "application/json"},
+                                    timeout=aiohttp.ClientTimeout(total=60)) as resp:
+                results.append((resp.status, (await resp.text())[:300]))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # a stalled server: fail, not hang
+            results.append((0, f"{type(e).__name__}: {e}"))
+
+    async def main() -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as s:
+            for _ in range(BURSTS):
+                await asyncio.to_thread(go.wait)
+                go.clear()
+                await asyncio.gather(*(one(s, *bodies[k % len(bodies)]) for k in range(POSTERS)))
+
+    asyncio.run(main())
+
+
+async def run_streams(url: str, loaded: bool) -> tuple[float, float, list[tuple[int, str]]]:
+    """Largest gap, largest delivery delay (over the streams), and the posts' answers."""
+    results: list[tuple[int, str]] = []
+    go = threading.Event()
+    poster = None
+    if loaded:
+        poster = threading.Thread(target=post_huge, args=(url, huge_bodies(), go, results), daemon=True)
+        poster.start()
+    since, tag = time.time(), uuid.uuid4().hex[:8]
+    rids = [f"stall-{tag}-{k}" for k in range(STREAMS)]
+    started, count = asyncio.Event(), [0]
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = [asyncio.create_task(stream_events(session, url, rid, started, count)) for rid in rids]
+        await asyncio.wait_for(started.wait(), 120)
+        if loaded:
+            for burst in range(BURSTS):
+                go.set()  # every poster at once, mid-stream
+                while len(results) < POSTERS * (burst + 1):
+                    await asyncio.sleep(0.05)
+        streams = await asyncio.gather(*tasks)
+    if poster is not None:
+        poster.join(timeout=60)
+    delays = [largest_delivery_delay(url, rid, ev, since) for rid, ev in zip(rids, streams)]
+    return max(largest_gap(ev) for ev in streams), max(delays), results
+
+
+def test_huge_prompts_do_not_delay_other_clients_streams(server: ServerProcess) -> None:
+    asyncio.run(run_streams(server.url, loaded=False))  # warm-up
+    quiet, loaded, runs = [], [], []
+    for _ in range(ROUNDS):
+        gap, delay, _ = asyncio.run(run_streams(server.url, loaded=False))
+        quiet.append((gap, delay))
+        gap, delay, results = asyncio.run(run_streams(server.url, loaded=True))
+        loaded.append((gap, delay))
+        runs.append(results)
+
+    def ms(pairs: list[tuple[float, float]], k: int) -> str:
+        return ", ".join(f"{p[k] * 1000:.0f}" for p in pairs)
+    print(f"\nlargest gap between stream events (ms): quiet {ms(quiet, 0)}; with 4 MiB posts {ms(loaded, 0)}"
+          f"\nlargest delivery delay (ms): quiet {ms(quiet, 1)}; with 4 MiB posts {ms(loaded, 1)}")
+    for results in runs:
+        assert len(results) == POSTERS * BURSTS
+        for status, text in results:  # refused as too long, before tokenizing
+            assert status == 400 and "refused before tokenizing" in text, (status, text)
+    # The front end's share of the gaps grows by at most the issue's 100 ms.
+    # (The raw largest gap is printed, not asserted: on a 2-core machine that
+    # other work shares, the model's own step times vary by seconds.)
+    assert min(d for _, d in loaded) - min(d for _, d in quiet) <= MAX_GROWTH_S, (quiet, loaded)
+    wait_idle(server)
