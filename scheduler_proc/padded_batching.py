@@ -13,8 +13,11 @@ They run without the prefix cache (finished rows keep their KV as padding).
 from __future__ import annotations
 
 import time
+from typing import Callable
 
-from common.messages import ForwardMode
+from common.messages import ForwardMode, ModelInfo, ToTokenizerMsg
+from common.server_args import ServerArgs
+from scheduler_proc.model_client import LocalModel, ModelClient
 from scheduler_proc.req import Req
 from scheduler_proc.schedule_batch import ScheduleBatch
 from scheduler_proc.scheduler import Scheduler
@@ -95,7 +98,8 @@ class PaddedBatchScheduler(Scheduler):
         self.reqs_by_rid.pop(req.rid, None)
 
 
-def create_scheduler(server_args, model_info, model, send_output) -> Scheduler:  # type: ignore[no-untyped-def]
+def create_scheduler(server_args: ServerArgs, model_info: ModelInfo, model: ModelClient | LocalModel,
+                     send_output: Callable[[ToTokenizerMsg], None]) -> Scheduler:
     """The scheduler --batching asks for: continuous (Scheduler), or a padded baseline."""
     cls = Scheduler if server_args.batching == "continuous" else PaddedBatchScheduler
     return cls(server_args, model_info, model, send_output)
