@@ -33,7 +33,7 @@ class Generation:
 
     def submit(self) -> None:
         """Sends every request, or none (a taken rid is a 400)."""
-        rids = [s.rid for s in self.specs]
+        rids = [s.req.rid for s in self.specs]
         taken = next((r for r in rids if r in self.manager.states), None)
         if taken is None and len(set(rids)) < len(rids):
             taken = next(r for r in rids if rids.count(r) > 1)
@@ -47,21 +47,11 @@ class Generation:
             raise
 
     def _submit_one(self, spec: RequestSpec) -> ReqState:
-        req = TokenizedGenerateReq(
-            rid=spec.rid,
-            input_ids=spec.input_ids,
-            sampling_params=spec.sampling_params,
-            # Rows as they come when stop strings are to be matched here, so a
-            # match can end the request early even when the client does not stream.
-            stream=self.stream or spec.matches_text,
-            arrival_time=time.time(),
-            return_logprob=spec.return_logprob,
-            top_logprobs_num=spec.top_logprobs_num if spec.return_logprob else 0,
-            logprob_start_len=spec.logprob_start_len if spec.return_logprob else -1,
-            cache_salt=spec.cache_salt,
-            timeout_s=spec.timeout_s,
-            priority=spec.priority,
-        )
+        req = spec.req
+        # Rows as they come when stop strings are to be matched here, so a
+        # match can end the request early even when the client does not stream.
+        req.stream = self.stream or spec.matches_text
+        req.arrival_time = time.time()
         try:
             return self.manager.submit(req, self.arrival, event=self.event, group=spec.group)
         except DuplicateRidError as e:

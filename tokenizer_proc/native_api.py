@@ -32,7 +32,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = parse_json_object(await read_body(request))
     pending = check_generate_request(body, info.context_len, info.vocab_size, request.app[PROMPT_CHAR_LIMIT])
     inp = pending.finish(await request.app[TOKENIZER_POOL].run(pending.encode, tokenizer))
-    await check_grammars([spec.sampling_params.grammar for spec in inp.specs])
+    await check_grammars([spec.req.sampling_params.grammar for spec in inp.specs])
     gen = Generation(request.app[MANAGER], tokenizer, inp.specs, inp.stream, arrival)
     gen.submit()
     try:
@@ -59,13 +59,13 @@ async def _events(gen: Generation, inp: GenerateInput, texts: TokenTexts | None)
 
 def output_json(out: RequestOutput, inp: GenerateInput, texts: TokenTexts | None) -> dict[str, Any]:
     meta = out.meta_info()
-    if out.spec.return_logprob:
+    if out.spec.req.return_logprob:
         meta["output_token_logprobs"] = native_token_logprobs(out.ids, out.token_logprobs, texts)
         meta["output_top_logprobs"] = native_top_logprobs(out.top_logprobs, texts)
-        start = out.spec.logprob_start_len
+        start = out.spec.req.logprob_start_len
         if start >= 0:  # prompt logprobs: the prompt tokens from `start`, the first null
             meta["input_token_logprobs"] = native_token_logprobs(
-                out.spec.input_ids[start:], out.state.input_token_logprobs, texts)
-            if out.spec.top_logprobs_num > 0:
+                out.spec.req.input_ids[start:], out.state.input_token_logprobs, texts)
+            if out.spec.req.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = native_top_logprobs(out.state.input_top_logprobs, texts)
     return {"text": out.text, "output_ids": list(out.ids), "meta_info": meta}

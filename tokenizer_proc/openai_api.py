@@ -66,7 +66,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     body = parse_json_object(await read_body(request))
     pending = (check_chat_request if chat else check_completion_request)(body, info, request.app[PROMPT_CHAR_LIMIT])
     inp = pending.finish(await request.app[TOKENIZER_POOL].run(pending.encode, tokenizer))
-    await check_grammars([spec.sampling_params.grammar for spec in inp.specs])
+    await check_grammars([spec.req.sampling_params.grammar for spec in inp.specs])
     shaper = (ChatShaper if chat else CompletionShaper)(inp, served_model_name(request.app),
                                                         TokenTexts(tokenizer))
     gen = Generation(request.app[MANAGER], tokenizer, inp.specs, inp.stream, arrival)
@@ -110,7 +110,7 @@ class Shaper:
         # (its n samples share it), as prompt_tokens counts them
         cached: dict[int, int] = {}
         for o in outputs:
-            key = id(o.spec.input_ids)
+            key = id(o.spec.req.input_ids)
             cached[key] = max(cached.get(key, 0), o.state.cached_tokens)
         return {"prompt_tokens": self.inp.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.inp.prompt_tokens + completion,
@@ -197,8 +197,8 @@ class CompletionShaper(Shaper):
         logprobs = None
         if self.inp.logprobs:
             st = out.state
-            tops = st.input_top_logprobs if self.inp.top_logprobs else [None] + [[]] * (len(out.spec.input_ids) - 1)
-            logprobs = completion_logprobs(out.spec.input_ids, st.input_token_logprobs, tops, self.texts,
+            tops = st.input_top_logprobs if self.inp.top_logprobs else [None] + [[]] * (len(out.spec.req.input_ids) - 1)
+            logprobs = completion_logprobs(out.spec.req.input_ids, st.input_token_logprobs, tops, self.texts,
                                            self.inp.top_logprobs, 0)
             self.offsets[k] = len(prompt)
             rest = self._logprobs(k, out, 0, end)

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.messages import Grammar, ModelInfo, SamplingParams
+from common.messages import Grammar, ModelInfo, SamplingParams, TokenizedGenerateReq
 from tokenizer_proc.errors import BadRequestError
 from tokenizer_proc.grammar import grammar_from_fields, grammar_from_response_format
 from tokenizer_proc.protocol import (MAX_N, MAX_OUTPUTS, check_fits_context, check_prompt_id_count, check_prompt_ids,
@@ -166,13 +166,14 @@ class PendingOpenAI:
             for k in range(n):
                 sample = SamplingParams(**{f: getattr(sp, f) for f in sp.__struct_fields__})
                 sample.seed = seed_for_sample(sp.seed, k)
-                specs.append(RequestSpec(rid=next(rids), input_ids=ids, sampling_params=sample, stop=self.stop,
-                                         stop_regex=self.stop_regex, no_stop_trim=self.no_stop_trim,
-                                         return_logprob=self.logprobs, top_logprobs_num=self.top_logprobs,
-                                         logprob_start_len=self.logprob_start_len if self.logprobs else -1,
-                                         group=request_id if len(prompts) * n > 1 else None,
-                                         cache_salt=self.cache_salt, timeout_s=self.timeout,
-                                         priority=self.priority))
+                req = TokenizedGenerateReq(
+                    rid=next(rids), input_ids=ids, sampling_params=sample, return_logprob=self.logprobs,
+                    top_logprobs_num=self.top_logprobs if self.logprobs else 0,
+                    logprob_start_len=self.logprob_start_len if self.logprobs else -1,
+                    cache_salt=self.cache_salt, timeout_s=self.timeout, priority=self.priority)
+                specs.append(RequestSpec(req, stop=self.stop, stop_regex=self.stop_regex,
+                                         no_stop_trim=self.no_stop_trim,
+                                         group=request_id if len(prompts) * n > 1 else None))
         inp = OpenAIInput(request_id=request_id, specs=specs, prompt_tokens=sum(len(p) for p in prompts),
                           stream=self.stream, include_usage=self.include_usage, logprobs=self.logprobs,
                           top_logprobs=self.top_logprobs)

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from common.messages import SamplingParams
+from common.messages import SamplingParams, TokenizedGenerateReq
 from tokenizer_proc.app_keys import HEALTH_GENERATE_TIMEOUT, MANAGER, MODEL_INFO, SERVER_ARGS, TOKENIZER
 from tokenizer_proc.errors import BadRequestError, ServiceUnavailableError, json_response
 from tokenizer_proc.generation import Generation
@@ -50,8 +50,8 @@ async def health_generate(request: web.Request) -> web.Response:
     """One one-token request through the whole engine; 503 when it does not
     finish within the timeout (the scheduler or model is stuck or gone)."""
     timeout = request.app[HEALTH_GENERATE_TIMEOUT]
-    spec = RequestSpec(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
-                       sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
+    spec = RequestSpec(TokenizedGenerateReq(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
+                                            sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0)))
     gen = Generation(request.app[MANAGER], request.app[TOKENIZER], [spec], False, time.perf_counter())
     gen.submit()
     try:

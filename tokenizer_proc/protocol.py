@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.messages import MAX_LOGIT_BIAS, SamplingParams
+from common.messages import MAX_LOGIT_BIAS, SamplingParams, TokenizedGenerateReq
 from tokenizer_proc.errors import BadRequestError
 from tokenizer_proc.grammar import grammar_from_fields
 from tokenizer_proc.request_spec import RequestSpec, fan_out_rids, seed_for_sample
@@ -277,13 +277,14 @@ class PendingGenerate:
         for ids, base, s in zip(prompts, self.bases, self.sampling):
             sp = s.params
             for k, rid in enumerate(fan_out_rids(base, n)):
-                specs.append(RequestSpec(
+                req = TokenizedGenerateReq(
                     rid=rid, input_ids=ids,
                     sampling_params=SamplingParams(**{**_fields(sp), "seed": seed_for_sample(sp.seed, k)}),
-                    stop=s.stop, stop_regex=s.stop_regex, no_stop_trim=s.no_stop_trim,
-                    return_logprob=self.return_logprob, top_logprobs_num=self.top_n, logprob_start_len=start,
-                    group=base if n > 1 else None, cache_salt=self.cache_salt, timeout_s=self.timeout,
-                    priority=self.priority))
+                    return_logprob=self.return_logprob, top_logprobs_num=self.top_n if self.return_logprob else 0,
+                    logprob_start_len=start if self.return_logprob else -1,
+                    cache_salt=self.cache_salt, timeout_s=self.timeout, priority=self.priority)
+                specs.append(RequestSpec(req, stop=s.stop, stop_regex=s.stop_regex, no_stop_trim=s.no_stop_trim,
+                                         group=base if n > 1 else None))
         return GenerateInput(specs=specs, stream=self.stream, batched=self.batched,
                              return_text_in_logprobs=self.text_in_logprobs)
 

@@ -36,7 +36,7 @@ class RequestOutput:
     def __init__(self, state: ReqState, spec: RequestSpec, tokenizer: Tokenizer) -> None:
         self.state = state
         self.spec = spec
-        self.detok = IncrementalDetokenizer(tokenizer, spec.sampling_params.skip_special_tokens)
+        self.detok = IncrementalDetokenizer(tokenizer, spec.req.sampling_params.skip_special_tokens)
         self.matcher = StopStringMatcher(spec.stop, spec.stop_regex, keep=spec.no_stop_trim) \
             if spec.matches_text else None
         self.fed = 0  # state.output_ids consumed so far
@@ -116,7 +116,7 @@ class RequestOutput:
     def _take_ids(self, start: int, stop: int) -> None:
         st = self.state
         self.ids.extend(st.output_ids[start:stop])
-        if self.spec.return_logprob:
+        if self.spec.req.return_logprob:
             self.token_logprobs.extend(st.token_logprobs[start:stop])
             self.top_logprobs.extend(st.top_logprobs[start:stop])
 

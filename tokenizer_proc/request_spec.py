@@ -4,24 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.messages import SamplingParams
+from common.messages import TokenizedGenerateReq
 
 
 @dataclass
 class RequestSpec:
-    rid: str
-    input_ids: list[int]
-    sampling_params: SamplingParams
+    """The message for the scheduler (`req`: everything the scheduler uses,
+    one source of truth for those fields), plus what only this process uses:
+    stop strings and regexes are matched here, on the text, and `group` ties
+    together the requests one client body fanned out into."""
+
+    req: TokenizedGenerateReq
     stop: list[str] = field(default_factory=list)  # stop strings, matched here on the text
     stop_regex: list[str] = field(default_factory=list)  # stop regexes, likewise
     no_stop_trim: bool = False  # the matched stop string (or stop token) stays in the text
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1  # >= 0 (with return_logprob): prompt logprobs from this position
     group: str | None = None  # the client request's id when it fanned out into several
-    cache_salt: str = ""  # requests with different salts never share cached prefixes
-    timeout_s: float | None = None  # deadline, seconds from arrival (None: the server's default)
-    priority: int = 0  # with --enable-priority-scheduling: larger goes first
 
     @property
     def matches_text(self) -> bool:

@@ -98,7 +98,7 @@ def test_appending_a_token_to_a_long_output_copies_only_the_new_text(sp_model_fi
     its own text, not the whole output (20k tokens in)."""
     import tracemalloc
 
-    from common.messages import SamplingParams
+    from common.messages import SamplingParams, TokenizedGenerateReq
     from tokenizer_proc.manager import ReqState
     from tokenizer_proc.request_output import RequestOutput
     from tokenizer_proc.request_spec import RequestSpec
@@ -107,7 +107,7 @@ def test_appending_a_token_to_a_long_output_copies_only_the_new_text(sp_model_fi
     word = tok.encode(" hello")[1:]
     for stop in ([], ["never seen"]):
         state = ReqState(rid="r", prompt_tokens=1, arrival=0.0)
-        spec = RequestSpec(rid="r", input_ids=[1], sampling_params=SamplingParams(), stop=stop)
+        spec = RequestSpec(TokenizedGenerateReq(rid="r", input_ids=[1], sampling_params=SamplingParams()), stop=stop)
         out = RequestOutput(state, spec, tok)
         for _ in range(20_000):
             state.output_ids.extend(word)
