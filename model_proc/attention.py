@@ -299,16 +299,26 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
 
 
 class NativeAttnBackend(TorchAttnBackend):
-    """The C++ op of model_proc/native/ (CPU): decode and extend read K/V in
-    place through kv_indices, with no gather into a padded buffer and no
-    per-row Python loop; the query heads of a KV head go together (GQA).
+    """The C++ op of model_proc/native/ (CPU): decode (and, with
+    native_extend, extend) reads K/V in place through kv_indices, with no
+    gather into a padded buffer and no per-row Python loop; the query heads
+    of a KV head go together (GQA); the KV store is fused into the op.
 
     Where the op is missing (no compiler, a failed build: logged once by
     native.load) or has no kernel for this dtype or head_dim (logged here),
     every call goes to the torch backend this class extends. With the op,
     the pool's memory is advised onto transparent huge pages
-    (native.advise_huge_pages: 1.5x on scattered slots).
+    (native.advise_huge_pages; decode at 64 x 2048 on scattered slots 288 ->
+    253 ms per step, bench/attention_bench.py).
     """
+
+    # Extend steps take the torch path unless this is set: the op's extend
+    # (query tiles over the prefix read in place, brgemm for bfloat16) is
+    # correct but measured slower than the torch path's flash kernel, per
+    # layer, SmolLM2 shapes, 2 threads: bfloat16 1024 new tokens 4.2 vs
+    # 2.8 ms, 256 new after 2048 cached 4.0 vs 2.5 ms, 4 x 256 new 1.45 vs
+    # 1.3 ms; float32 10.4 vs 6.6, 11.4 vs 5.6, 3.0 vs 3.1 ms.
+    native_extend = False
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float) -> None:
         super().__init__(kv_pool, req_to_token, scale)
@@ -348,7 +358,7 @@ class NativeAttnBackend(TorchAttnBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: TorchAttnMetadata) -> torch.Tensor:
-        if self.op is None:
+        if self.op is None or not (meta.is_decode or self.native_extend):
             return super().forward(q, k, v, layer_id, meta)
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         # the op needs each token's heads contiguous (a row stride of its own is fine)

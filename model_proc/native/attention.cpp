@@ -186,12 +186,12 @@ constexpr int kDecodeBlock = 32;  // keys per online-softmax update
 // qraw: as given, unscaled, for the bfloat16 dot products) over keys
 // [k0, k1) of the row's slot list, all `heads` KV heads of each key at once:
 // its whole slot row, contiguous memory (measured 1.2-1.3x faster than one
-// work item per KV head, scattered or not, bfloat16 64 x 2048). Leaves the
-// un-normalized accumulators, running maxima and sums, per query head. The
-// next block's K and V slot rows are prefetched, every cache line of them,
-// while this block runs: the slots are scattered, so no hardware
-// prefetcher can guess them (1.7x faster on a scattered 64 x 2048 batch
-// than prefetching the first line of each row).
+// work item per KV head, scattered or not: bfloat16, 64 x 2048, one layer's
+// pool called repeatedly). Leaves the un-normalized accumulators, running
+// maxima and sums, per query head. The next block's K and V slot rows are
+// prefetched, every cache line of them, while this block runs: the slots
+// are scattered, so no hardware prefetcher can guess them (1.7x faster than
+// prefetching only the first line of each row, same measurement).
 template <typename T, int D>
 void decode_part(const float* q, const T* qraw, float scale, int heads, int group, const T* k_buf, const T* v_buf,
                  int64_t slot_stride, const int64_t* slots, int64_t k0, int64_t k1, float* acc, float* m, float* l,

@@ -39,7 +39,9 @@ def make_pair(dtype: torch.dtype, group: int, head_dim: int, seed: int
         ref.copy_(ours.float())
     table = ReqToTokenTable(num_rows=len(LENS) + 1, context_len=2100, device="cpu")
     scale = head_dim ** -0.5
-    return (NativeAttnBackend(pools[0], table, scale), TorchAttnBackend(pools[1], table, scale), gen)
+    ours = NativeAttnBackend(pools[0], table, scale)
+    ours.native_extend = True  # the op's extend too (the backend's default leaves extend to torch)
+    return ours, TorchAttnBackend(pools[1], table, scale), gen
 
 
 def fill_rows(table: torch.Tensor, rows: list[int], lens: list[int], gen: torch.Generator) -> None:
@@ -177,12 +179,14 @@ def greedy_run(runner: Any, steps: int) -> tuple[list[list[int]], list[torch.Ten
 
 
 @needs_op
-def test_model_greedy_output_with_native_backend_equals_torch_backend(tiny_llama_dir: str,
-                                                                      make_runner: Any) -> None:
+@pytest.mark.parametrize("native_extend", [False, True])
+def test_model_greedy_output_with_native_backend_equals_torch_backend(tiny_llama_dir: str, make_runner: Any,
+                                                                      native_extend: bool) -> None:
     tokens, logits = {}, {}
     for name in ("torch", "native"):
         runner = make_runner(tiny_llama_dir, attention_backend=name)
         assert type(runner.attn_backend).__name__.lower().startswith(name)
+        runner.attn_backend.native_extend = native_extend
         tokens[name], logits[name] = greedy_run(runner, steps=6)
     assert runner.attn_backend.op is not None
     assert tokens["native"] == tokens["torch"]
