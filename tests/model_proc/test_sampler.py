@@ -117,3 +117,21 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
     logits = _t.tensor([[0.0, 3.0, 1.0, -2.0]])
     params = SamplingBatch.from_lists([0.7], [5e-324], [-1], [0.0], [7], [0])
     assert Sampler(0)(logits, params).tolist() == [1]
+
+
+def test_token_bitmask_masks_exactly_the_clear_bits_of_the_listed_rows():
+    from model_proc.sampler import apply_token_bitmask
+
+    g = torch.Generator().manual_seed(0)
+    vocab, batch, rows = 100, 5, [3, 0]
+    logits = torch.randn(batch, vocab, generator=g)
+    words = torch.randint(-2**31, 2**31 - 1, (len(rows), (vocab + 31) // 32), generator=g, dtype=torch.int64)
+    words = words.to(torch.int32)
+    out = logits.clone()
+    apply_token_bitmask(out, rows, words.numpy().tobytes())
+    for j, r in enumerate(rows):
+        allowed = [(int(words[j, t // 32]) >> (t % 32)) & 1 for t in range(vocab)]
+        for t in range(vocab):
+            assert out[r, t] == (logits[r, t] if allowed[t] else float("-inf"))
+    for r in set(range(batch)) - set(rows):
+        assert torch.equal(out[r], logits[r])  # rows without a grammar are untouched
