@@ -43,7 +43,9 @@ class ServerArgs:
     context_length: int | None = None
     dtype: str = "auto"
     device: str = "cpu"
-    attention_backend: str = ""  # default: triton on a CUDA device, torch elsewhere; native: the C++ CPU op
+    # default: triton on a CUDA device; on a CPU the native C++ op (torch if it cannot be
+    # built, and torch with --deterministic, whose batch-invariant kernels are torch's)
+    attention_backend: str = ""
     random_seed: int = 0
     deterministic: bool = False  # batch-invariant forward (model_proc/batch_invariant.py)
     # network
@@ -97,7 +99,10 @@ class ServerArgs:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if not self.attention_backend:
-            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+            if self.device.startswith("cuda"):
+                self.attention_backend = "triton"
+            else:
+                self.attention_backend = "torch" if self.deterministic else "native"
         if self.max_request_bytes < 1:
             raise ValueError("--max-request-bytes must be >= 1")
         if self.attention_backend not in ("torch", "native", "triton"):
@@ -142,8 +147,9 @@ class ServerArgs:
                                  "(AVX512_BF16/AMX, CUDA), else float32")
         parser.add_argument("--device", default=d["device"].default)
         parser.add_argument("--attention-backend", default="", choices=["torch", "native", "triton"],
-                            help="default: triton on a CUDA device, torch elsewhere; native: the C++/OpenMP "
-                                 "CPU op over the paged pool (model_proc/native/; torch if it cannot be built)")
+                            help="default: triton on a CUDA device; on a CPU native, the C++/OpenMP op over "
+                                 "the paged pool (model_proc/native/; the torch path if it cannot be built), "
+                                 "or torch with --deterministic")
         parser.add_argument("--random-seed", type=int, default=d["random_seed"].default)
         parser.add_argument("--deterministic", action="store_true",
                             help="batch-invariant forward: a request's logits are the same bits "
