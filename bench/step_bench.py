@@ -118,7 +118,8 @@ class Floor:
 
 
 def make_runner(dtype: str, batch: int, context: int, pool: int) -> ModelRunner:
-    args = ServerArgs(model_path=default_model_path(), dtype=dtype, attention_backend="torch",
+    # the server's default attention backend (native on a CPU), as the server rows use
+    args = ServerArgs(model_path=default_model_path(), dtype=dtype,
                       max_running_requests=batch, context_length=context + 1, max_total_tokens=pool)
     return ModelRunner(args)
 
@@ -348,7 +349,8 @@ def report(command: str, floor: Floor, results: dict, dtypes: list[str], cases: 
             f"`{command}`\n\n"
             f"SmolLM2-135M ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
             f"{cfg.num_kv_heads} kv heads), {platform.machine()}, {os.cpu_count()} cores, torch "
-            f"{torch.__version__}, {torch.get_num_threads()} threads. Measured on the spot: read bandwidth "
+            f"{torch.__version__}, {torch.get_num_threads()} threads, attention backend "
+            f"{ServerArgs().attention_backend} (the default). Measured on the spot: read bandwidth "
             f"{floor.bandwidth / 1e9:.1f} GB/s, matmul {rates}. {stat.capitalize()} of the timed steps "
             f"(server: of the log windows); load average {load[0]:.1f} at the start, {load[1]:.1f} at "
             f"the end ({os.cpu_count()} cores: above that, other processes competed and inflated the "
