@@ -2,6 +2,8 @@
 
     python -m bench.prefix_cache    # both workloads, cache on then off: some 8 min on 2 quiet cores (estimated)
     python -m bench.prefix_cache --workloads shared-prefix --num-groups 4 --append-results
+    # issue 13's targets: room for every request of the burst, cache-aware order
+    python -m bench.prefix_cache --server-args='--max-running-requests 128 --schedule-policy lpm' --append-results
 
 Two workloads, each served twice by a fresh server of ours (launch.py): once
 with the default flags (cache on) and once with --off-server-args (default
@@ -293,8 +295,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model-path", default=None, help="HF folder (default: the bundled model, converted)")
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    p.add_argument("--num-groups", type=int, default=16, help="shared-prefix: system prompts")
-    p.add_argument("--prompts-per-group", type=int, default=8, help="shared-prefix: prompts per system prompt")
+    p.add_argument("--num-groups", type=int, default=8, help="shared-prefix: system prompts")
+    p.add_argument("--prompts-per-group", type=int, default=16,
+                   help="shared-prefix: prompts per system prompt (SGLang's default)")
     p.add_argument("--system-prompt-len", type=int, default=1024, help="shared-prefix: tokens of a system prompt")
     p.add_argument("--question-len", type=int, default=64, help="shared-prefix: tokens of a question")
     p.add_argument("--output-len", type=int, default=64, help="shared-prefix: output tokens per request")
