@@ -48,6 +48,12 @@ class ServerArgs:
     attention_backend: str = ""
     random_seed: int = 0
     deterministic: bool = False  # batch-invariant forward (model_proc/batch_invariant.py)
+    # tensor parallelism (SGLang's meaning): tp_size model ranks in one torch.distributed group,
+    # spread evenly over nnodes machines; node_rank 0 also runs the scheduler and the HTTP server
+    tp_size: int = 1
+    dist_init_addr: str = ""  # host:port of the rendezvous (node 0); default: a free local port
+    nnodes: int = 1
+    node_rank: int = 0
     # network
     host: str = "127.0.0.1"
     port: int = 30000
@@ -129,6 +135,28 @@ class ServerArgs:
             raise ValueError("--shutdown-timeout must be >= 0")
         if self.batch_timeout_ms < 0:
             raise ValueError("--batch-timeout-ms must be >= 0")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError("--tp-size must be >= 1")
+        if self.nnodes < 1:
+            raise ValueError("--nnodes must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} "
+                             "(the same number of ranks on every node)")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (reachable from every node)")
+        if self.dist_init_addr:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--dist-init-addr must be HOST:PORT, not {self.dist_init_addr!r}")
+
+    @property
+    def tp_ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -154,6 +182,17 @@ class ServerArgs:
         parser.add_argument("--deterministic", action="store_true",
                             help="batch-invariant forward: a request's logits are the same bits "
                                  "whatever shares its batch (torch attention backend; slower)")
+        parser.add_argument("--tp-size", type=int, default=d["tp_size"].default,
+                            help="tensor parallelism: split the model over this many ranks (processes; one "
+                                 "per GPU on CUDA), gloo on a CPU, NCCL on CUDA")
+        parser.add_argument("--dist-init-addr", default="",
+                            help="HOST:PORT of the torch.distributed rendezvous, on node 0 (default: a free "
+                                 "port on 127.0.0.1; needed with --nnodes > 1)")
+        parser.add_argument("--nnodes", type=int, default=d["nnodes"].default,
+                            help="machines the --tp-size ranks are spread over, evenly")
+        parser.add_argument("--node-rank", type=int, default=d["node_rank"].default,
+                            help="this machine's index: 0 runs the scheduler and HTTP server too, "
+                                 "the others only their model ranks")
         parser.add_argument("--host", default=d["host"].default)
         parser.add_argument("--port", type=int, default=d["port"].default)
         parser.add_argument("--max-running-requests", type=int,

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_proc.batch_invariant import in_row_blocks
+from model_proc.parallel import SINGLE, TensorParallel, vocab_range
 
 # Batch-size hint oneDNN packs for. The packed layout serves any number of
 # rows; 16 was as fast as any other hint at 1..128 rows in float32 and
@@ -108,6 +109,68 @@ class Linear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, kind)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias,
                                                   "swish" if act == "silu" else "none", [], "")
+
+
+# ---- tensor-parallel pieces (model_proc/parallel.py) ------------------------------------
+# A column-parallel matmul (fused q/k/v, gate/up) is a plain `Linear` holding
+# this rank's output rows: its output feeds this rank's heads or MLP slice
+# directly, no communication. The two layers below are the ones that talk.
+
+
+class RowParallelLinear(Linear):
+    """o_proj / down_proj: each rank holds the weight's columns for its own
+    heads (or MLP slice) and computes a partial product; one all-reduce sums
+    them. The bias and the residual are added on rank 0 only (fused into its
+    epilogue, as at size 1), so the sum counts them once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(in_features, out_features, bias=bias and tp.is_first)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor, act: str = "", add: torch.Tensor | None = None,
+                mul: torch.Tensor | None = None) -> torch.Tensor:
+        assert not act and mul is None, "a row-parallel output is partial until the all-reduce"
+        if self.tp.size == 1:
+            return super().forward(x, add=add)
+        return self.tp.all_reduce_(super().forward(x, add=add if self.tp.is_first else None))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table split by vocabulary rows: a rank looks up the ids
+    in its slice, zeros for the rest, and an all-reduce assembles the rows."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.start, self.end, rows = vocab_range(vocab_size, tp.rank, tp.size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.start) | (ids >= self.end)
+        x = F.embedding((ids - self.start).masked_fill_(outside, 0), self.weight)
+        x.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce_(x)
+
+
+class ParallelLMHead(Linear):
+    """The LM head split by vocabulary rows: each rank computes its slice of
+    the logits and an all-gather puts the whole row on every rank before
+    sampling. The last slice's padding rows (vocab not a multiple of the
+    ranks) are zero and cut off."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel = SINGLE) -> None:
+        self.start, self.end, rows = vocab_range(vocab_size, tp.rank, tp.size)
+        super().__init__(hidden_size, rows, bias=False)
+        self.tp, self.vocab_size = tp, vocab_size
+
+    def forward(self, x: torch.Tensor, act: str = "", add: torch.Tensor | None = None,
+                mul: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().forward(x)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_last_dim(logits)[:, :self.vocab_size]
 
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,6 +9,13 @@ Laid out for speed (the building blocks are in `layers.py`): q/k/v are one
 matmul and gate/up another; each RMSNorm's weight is folded into the matmul
 that follows it; rotary is applied in place to q and k together; the
 residual adds and the SiLU are fused into the matmuls where oneDNN can.
+
+Tensor parallelism (`--tp-size`, model_proc/parallel.py): each rank builds
+this model with its own share: its query and KV heads (the KV pool holds only
+those), its slice of the MLP, its rows of the embedding and the LM head.
+q/k/v and gate/up are column-parallel (no communication), o_proj and
+down_proj row-parallel (one all-reduce each), the embedding one all-reduce
+and the LM head one all-gather: two all-reduces per layer in all.
 """
 
 from __future__ import annotations
@@ -23,7 +30,10 @@ from torch import nn
 
 from model_proc.attention import AttentionBackend, AttentionMetadata
 from model_proc.batch_invariant import pad_rows, padded_rows
-from model_proc.layers import Linear, apply_rope_, fold_norm_weight, rms_norm
+from model_proc.layers import (Linear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, apply_rope_,
+                               fold_norm_weight, rms_norm)
+from model_proc.parallel import SINGLE, TensorParallel, shard_heads, shard_range
+from model_proc.weights import CheckpointReader
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -136,17 +146,20 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, backend: AttentionBackend,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.backend = backend
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # this rank's heads (all of them at tp size 1)
+        self.heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.heads.num_heads, self.heads.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         # q, k and v in one matmul: one pass over the activations instead of three
         # (input_layernorm's weight is folded in)
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=cfg.o_bias, tp=tp)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -164,12 +177,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
+        # this rank's slice of the intermediate size
+        self.inter_start, inter_end = shard_range(cfg.intermediate_size, tp.rank, tp.size, "intermediate_size")
+        self.inter = inter_end - self.inter_start
         # gate and up in one matmul, like qkv (post_attention_layernorm's weight folded in)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + mlp(h), h the normed residual."""
@@ -181,11 +196,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, backend: AttentionBackend,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
-        self.self_attn = Attention(cfg, layer_id, backend)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_id, backend, tp)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -196,17 +212,18 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         # batch-invariant forward (batch_invariant.py); the backend must be one too
         self.deterministic = deterministic
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, tp) for i in range(cfg.num_layers))
         # its own matrix even when tied: the final norm's weight is folded in,
         # and on a CPU it is packed for the matmul, which the embedding lookup can't use
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.batch_invariant = deterministic
@@ -222,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
             # falls between tokens, never inside one (batch_invariant.py)
             rows = padded_rows(num_tokens)
             input_ids, positions = pad_rows(input_ids, rows), pad_rows(positions, rows)
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, meta)
@@ -234,46 +251,63 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(rms_norm(last, self.cfg.rms_norm_eps)).float()
 
     @torch.no_grad()
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy a Hugging Face state dict in (fusing q/k/v and gate/up, folding
-        each RMSNorm weight into the next matmul), then prepare the matmuls for
-        the device. Call after the model is on its device and dtype."""
-        def get(name: str) -> torch.Tensor:
-            if name not in state:
-                raise KeyError(f"weight {name!r} missing from the checkpoint")
-            return state[name]
-
-        def put(param: nn.Parameter | None, tensor: torch.Tensor) -> None:
+    def load_weights(self, ckpt: CheckpointReader) -> None:
+        """Read this rank's shard of every weight from a Hugging Face checkpoint,
+        tensor by tensor (fusing q/k/v and gate/up, folding each RMSNorm weight
+        into the next matmul), then prepare the matmuls for the device. Call
+        after the model is on its device and dtype."""
+        def put(param: nn.Parameter | None, tensor: torch.Tensor, pad: bool = False) -> None:
+            """pad: the last rank's vocabulary slice may be short; its missing rows are zero."""
             assert param is not None
-            if param.shape != tensor.shape:
+            n = tensor.shape[0]
+            if param.shape[1:] != tensor.shape[1:] or (n != param.shape[0] and not (pad and n < param.shape[0])):
                 raise ValueError(f"shape mismatch: {tuple(param.shape)} vs {tuple(tensor.shape)}")
-            param.copy_(tensor)
+            param[:n].copy_(tensor)
+            param[n:].zero_()
 
-        def cat(names: list[str]) -> torch.Tensor:
-            return torch.cat([get(n) for n in names])
+        cfg, hd = self.cfg, self.cfg.head_dim
 
-        put(self.embed_tokens, get("model.embed_tokens.weight"))
-        head = get("model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight")
-        put(self.lm_head.weight, fold_norm_weight(head, get("model.norm.weight")))
+        def rows(name: str, start: int, end: int) -> torch.Tensor:
+            return ckpt.read(name, 0, start, end)
+
+        def qkv(layer: Attention, p: str, kind: str) -> torch.Tensor:
+            h = layer.heads
+            return torch.cat([
+                rows(f"{p}q_proj.{kind}", h.q_start * hd, (h.q_start + h.num_heads) * hd),
+                rows(f"{p}k_proj.{kind}", h.kv_start * hd, (h.kv_start + h.num_kv_heads) * hd),
+                rows(f"{p}v_proj.{kind}", h.kv_start * hd, (h.kv_start + h.num_kv_heads) * hd)])
+
+        def gate_up(mlp: MLP, p: str, kind: str) -> torch.Tensor:
+            a, b = mlp.inter_start, mlp.inter_start + mlp.inter
+            return torch.cat([rows(f"{p}gate_proj.{kind}", a, b), rows(f"{p}up_proj.{kind}", a, b)])
+
+        emb = self.embed_tokens
+        put(emb.weight, rows("model.embed_tokens.weight", emb.start, emb.end), pad=True)
+        head = self.lm_head
+        head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        put(head.weight, fold_norm_weight(rows(head_name, head.start, head.end), ckpt.read("model.norm.weight")),
+            pad=True)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = [f"{p}self_attn.{n}_proj" for n in "qkv"]
-            put(attn.qkv_proj.weight, fold_norm_weight(cat([f"{n}.weight" for n in qkv]),
-                                                       get(f"{p}input_layernorm.weight")))
+            a = f"{p}self_attn."
+            put(attn.qkv_proj.weight, fold_norm_weight(qkv(attn, a, "weight"),
+                                                       ckpt.read(f"{p}input_layernorm.weight")))
             if attn.qkv_proj.bias is not None:
-                put(attn.qkv_proj.bias, cat([f"{n}.bias" for n in qkv]))
-            put(attn.o_proj.weight, get(f"{p}self_attn.o_proj.weight"))
-            if attn.o_proj.bias is not None:
-                put(attn.o_proj.bias, get(f"{p}self_attn.o_proj.bias"))
-            gate_up = [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"]
-            put(mlp.gate_up_proj.weight, fold_norm_weight(cat([f"{n}.weight" for n in gate_up]),
-                                                          get(f"{p}post_attention_layernorm.weight")))
+                put(attn.qkv_proj.bias, qkv(attn, a, "bias"))
+            q0, q1 = attn.heads.q_start * hd, (attn.heads.q_start + attn.heads.num_heads) * hd
+            put(attn.o_proj.weight, ckpt.read(f"{a}o_proj.weight", 1, q0, q1))
+            if attn.o_proj.bias is not None:  # rank 0 only: added once, before the all-reduce
+                put(attn.o_proj.bias, ckpt.read(f"{a}o_proj.bias"))
+            m = f"{p}mlp."
+            put(mlp.gate_up_proj.weight, fold_norm_weight(gate_up(mlp, m, "weight"),
+                                                          ckpt.read(f"{p}post_attention_layernorm.weight")))
             if mlp.gate_up_proj.bias is not None:
-                put(mlp.gate_up_proj.bias, cat([f"{n}.bias" for n in gate_up]))
-            put(mlp.down_proj.weight, get(f"{p}mlp.down_proj.weight"))
+                put(mlp.gate_up_proj.bias, gate_up(mlp, m, "bias"))
+            put(mlp.down_proj.weight, ckpt.read(f"{m}down_proj.weight", 1, mlp.inter_start,
+                                                mlp.inter_start + mlp.inter))
             if mlp.down_proj.bias is not None:
-                put(mlp.down_proj.bias, get(f"{p}mlp.down_proj.bias"))
+                put(mlp.down_proj.bias, ckpt.read(f"{m}down_proj.bias"))
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepare()

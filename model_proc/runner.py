@@ -2,6 +2,11 @@
 
 It owns everything stateful in the model process: weights, KV pool, the
 `req_to_token` table, the attention backend and the sampler.
+
+Under tensor parallelism every rank runs one, on the same batches: weights
+and KV pool are the rank's shard, everything else (table, sampler, penalty
+state) is the same on every rank, and rank 0's sampled tokens are broadcast
+so that every rank feeds the same token back.
 """
 
 from __future__ import annotations
@@ -19,18 +24,21 @@ from model_proc.attention import create_attention_backend
 from model_proc.dtypes import dtype_name, resolve_dtype
 from model_proc.kv_cache import KVPool, ReqToTokenTable, kv_pool_size
 from model_proc.model import LlamaForCausalLM, ModelConfig
+from model_proc.parallel import SINGLE, TensorParallel, shard_heads
 from model_proc.penalties import PenaltyState
 from model_proc.sampler import Sampler, SamplingBatch, apply_token_bitmask
 from model_proc.step_stats import DecodeStepStats
-from model_proc.weights import load_state_dict, resolve_model_path
+from model_proc.weights import CheckpointReader, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs) -> None:
+    def __init__(self, server_args: ServerArgs, tp: TensorParallel = SINGLE) -> None:
         sa = self.server_args = server_args
-        self.device = torch.device(sa.device)
+        self.tp = tp
+        # a tensor-parallel rank runs on its own device (cuda:<local rank>)
+        self.device = tp.device if tp.size > 1 else torch.device(sa.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device {sa.device}: torch sees no CUDA device on this machine "
                              "(torch.cuda.is_available() is False); use --device cpu")
@@ -43,11 +51,15 @@ class ModelRunner:
             logger.warning("context length %d exceeds the model's max_position_embeddings %d",
                            self.context_len, cfg.max_position_embeddings)
 
-        state = load_state_dict(self.model_path)
-        bytes_per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        weight_bytes = sum(t.numel() for t in state.values()) * self.dtype.itemsize
-        self.max_total_tokens = kv_pool_size(sa, self.context_len, bytes_per_token, weight_bytes)
-        self.kv_pool = KVPool(self.max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+        # this rank's KV heads (a clear error here if --tp-size does not fit the model)
+        kv_heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size).num_kv_heads
+        ckpt = CheckpointReader(self.model_path)
+        bytes_per_token = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype)
+        # this rank's share, roughly (the norms are read by every rank; they are tiny)
+        weight_bytes = ckpt.numel() * self.dtype.itemsize // tp.size
+        # every rank must hold the same slots: the smallest pool any rank affords
+        self.max_total_tokens = tp.min_int(kv_pool_size(sa, self.context_len, bytes_per_token, weight_bytes))
+        self.kv_pool = KVPool(self.max_total_tokens, cfg.num_layers, kv_heads, cfg.head_dim,
                               self.dtype, self.device)
         self.req_to_token = ReqToTokenTable(sa.max_running_requests, self.context_len, self.device)
         logger.info("KV cache pool: %d tokens, %.1f MiB (%d bytes per token); req_to_token %s",
@@ -58,10 +70,10 @@ class ModelRunner:
             sa.attention_backend, self.kv_pool, self.req_to_token, scale=cfg.head_dim ** -0.5,
             deterministic=sa.deterministic)
         self.model = LlamaForCausalLM(cfg, self.attn_backend, max_positions=self.context_len,
-                                      deterministic=sa.deterministic)
+                                      deterministic=sa.deterministic, tp=tp)
         self.model.to(device=self.device, dtype=self.dtype)
-        self.model.load_weights(state)  # also packs the matmuls for the device
-        del state
+        with ckpt:
+            self.model.load_weights(ckpt)  # this rank's shards; also packs the matmuls for the device
         self.sampler = Sampler(sa.random_seed, self.device)
         # per req_to_token row, the token it sampled last: a decode input sent
         # as FUTURE_TOKEN (overlap schedule) is taken from here
@@ -98,12 +110,16 @@ class ModelRunner:
             apply_token_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
         params = SamplingBatch.from_lists(batch.temperatures, batch.top_ps, batch.top_ks,
                                           batch.min_ps, batch.seeds, batch.sample_steps, self.device)
-        next_ids = self.sampler(logits, params)
+        # every rank samples the same logits alike; rank 0's tokens are
+        # broadcast anyway, so no rounding difference can ever part the ranks
+        next_ids = self.tp.broadcast_(self.sampler(logits, params))
         rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=self.device)
         self.last_sampled[rows] = next_ids
         if batch.penalty_rows:
             self.penalties.update(batch, next_ids)
         result = ForwardResult(next_token_ids=next_ids.tolist())
+        if not self.tp.is_first:  # only rank 0 answers the scheduler
+            return result
         if batch.return_logprob:
             self._add_logprobs(result, logits, next_ids, batch.top_logprobs_nums)
         if batch.input_logprob_rows:

@@ -3,6 +3,7 @@ once (through transformers' GGUF loader) into a cached Hugging Face folder."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -10,8 +11,10 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import ExitStack
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 logger = logging.getLogger(__name__)
@@ -39,7 +42,23 @@ def resolve_model_path(model_path: str, cache_dir: str) -> str:
     if os.path.isfile(model_path) and model_path.endswith(".gguf"):
         target = gguf_cache_folder(model_path, cache_dir)
         if not is_hf_folder(target):
-            convert_gguf(model_path, target)
+            # tensor-parallel ranks start together: one converts, the others
+            # wait for it and find the folder, instead of each converting
+            # (removing the lock file is safe: a waiter that locked the old
+            # file, or one that makes a new one, checks the folder again;
+            # convert_gguf itself survives two converters)
+            os.makedirs(cache_dir, exist_ok=True)
+            lock_path = target + ".lock"
+            with open(lock_path, "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    if not is_hf_folder(target):
+                        convert_gguf(model_path, target)
+                finally:
+                    try:
+                        os.unlink(lock_path)
+                    except OSError:
+                        pass
         return target
     raise FileNotFoundError(
         f"model path {model_path!r} is neither a Hugging Face folder "
@@ -80,17 +99,80 @@ def convert_gguf(gguf_path: str, target: str) -> None:
     logger.info("Converted in %.1f s", time.perf_counter() - t0)
 
 
-def load_state_dict(folder: str) -> dict[str, torch.Tensor]:
-    """All tensors of model.safetensors, or of every shard its index names."""
+def safetensors_files(folder: str) -> list[str]:
+    """model.safetensors, or every shard its index names."""
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
-        return load_file(single)
+        return [single]
     index = os.path.join(folder, "model.safetensors.index.json")
     if not os.path.isfile(index):
         raise FileNotFoundError(f"no model.safetensors or index in {folder}")
     with open(index) as f:
         shards = sorted(set(json.load(f)["weight_map"].values()))
+    return [os.path.join(folder, s) for s in shards]
+
+
+class CheckpointReader:
+    """Reads a safetensors checkpoint tensor by tensor, and a tensor only in
+    the rows or columns asked for: a tensor-parallel rank reads its shard and
+    nothing else, and no whole state dict is ever in memory (the files are
+    memory-mapped; a slice copies out only its own bytes)."""
+
+    def __init__(self, folder: str) -> None:
+        self._stack = ExitStack()
+        self._file_of: dict[str, object] = {}
+        for path in safetensors_files(folder):
+            f = self._stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            for name in f.keys():
+                self._file_of[name] = f
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._slice(name).get_shape())
+
+    def numel(self) -> int:
+        """Elements of every tensor in the checkpoint (nothing is read)."""
+        total = 0
+        for name in self._file_of:
+            n = 1
+            for d in self.shape(name):
+                n *= d
+            total += n
+        return total
+
+    def read(self, name: str, dim: int = 0, start: int | None = None, end: int | None = None) -> torch.Tensor:
+        """The tensor, or its [start, end) along `dim` (0 or 1)."""
+        sl = self._slice(name)
+        if start is None and end is None:
+            return sl[:]
+        if dim == 0:
+            return sl[start:end]
+        if dim == 1:
+            return sl[:, start:end]
+        raise ValueError(f"dim {dim}: only rows (0) or columns (1) are sharded")
+
+    def _slice(self, name: str):  # safetensors' lazy slice of one tensor
+        f = self._file_of.get(name)
+        if f is None:
+            raise KeyError(f"weight {name!r} missing from the checkpoint")
+        return f.get_slice(name)
+
+
+def load_state_dict(folder: str) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors, or of every shard its index names, in
+    memory at once (tests and tools; the server loads through CheckpointReader)."""
     state: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        state.update(load_file(os.path.join(folder, shard)))
+    for path in safetensors_files(folder):
+        state.update(load_file(path))
     return state

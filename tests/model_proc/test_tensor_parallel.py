@@ -1,0 +1,117 @@
+"""Tensor parallelism in process: N gloo ranks (torch.multiprocessing spawn),
+each a ModelRunner over its shard of a tiny random model, give the logits and
+greedy tokens of the one-process runner; the head split is checked on its own."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from common.server_args import ServerArgs
+from model_proc.parallel import HeadShard, init_tensor_parallel, shard_heads, vocab_range
+from model_proc.runner import ModelRunner
+from tests.helpers import RunnerDriver, make_tiny_llama
+
+PROMPTS = [[5, 9, 200, 3, 77, 41, 8], [300, 2, 11], [17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27]]
+NEW_TOKENS = 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def runner_args(model: str) -> ServerArgs:
+    return ServerArgs(model_path=model, dtype="float32", max_total_tokens=512, max_running_requests=4)
+
+
+def logits_and_greedy(runner: ModelRunner) -> tuple[torch.Tensor, list[list[int]]]:
+    """Teacher-forced logits of one prompt (an extend, then decodes), then a
+    ragged greedy batch of every prompt."""
+    logits = RunnerDriver(runner, seed=1).teacher_forced_logits(PROMPTS[0], [4, 99, 250, 7])
+    return logits, RunnerDriver(runner, seed=2).greedy(PROMPTS, NEW_TOKENS)
+
+
+def _rank_main(rank: int, size: int, addr: str, model: str, out_dir: str) -> None:
+    torch.set_num_threads(1)  # N ranks on 2 cores
+    tp = init_tensor_parallel(rank, size, addr, torch.device("cpu"))
+    try:
+        runner = ModelRunner(runner_args(model), tp)
+        logits, greedy = logits_and_greedy(runner)
+        params = sum(p.numel() for p in runner.model.parameters()) + sum(
+            m.packed.numel() for m in runner.model.modules() if getattr(m, "packed", None) is not None)
+        torch.save({"logits": logits, "greedy": greedy, "params": params,
+                    "kv_shape": tuple(runner.kv_pool.k_buffer[0].shape)}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        tp.close()
+
+
+def run_ranks(size: int, model: str, out_dir: str) -> list[dict[str, Any]]:
+    mp.start_processes(_rank_main, args=(size, f"127.0.0.1:{free_port()}", model, out_dir), nprocs=size,
+                       start_method="spawn")
+    return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(size)]
+
+
+# (tp size, tiny-model overrides): heads split evenly; one KV head copied to
+# both ranks; 3 ranks over a vocabulary of 512 (the last slice padded)
+CASES = {
+    "tp2": (2, {}),
+    "tp2_kv_heads_replicated": (2, {"num_key_value_heads": 1}),
+    "tp3_vocab_padded": (3, {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3,
+                             "intermediate_size": 192}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tensor_parallel_logits_and_greedy_tokens_equal_one_process(case, tmp_path):
+    size, overrides = CASES[case]
+    model = make_tiny_llama(str(tmp_path / "model"), seed=3, **overrides)
+    single = ModelRunner(runner_args(model))
+    ref_logits, ref_greedy = logits_and_greedy(single)
+    ref_params = sum(p.numel() for p in single.model.parameters()) + sum(
+        m.packed.numel() for m in single.model.modules() if getattr(m, "packed", None) is not None)
+    out = tmp_path / "out"
+    out.mkdir()
+    ranks = run_ranks(size, model, str(out))
+    scale = ref_logits.abs().max().item()
+    for r, res in enumerate(ranks):
+        # float32 with the sums in another order: rounding only
+        diff = (res["logits"] - ref_logits).abs().max().item()
+        assert diff <= 1e-5 * scale, f"rank {r}: logits differ by {diff} (scale {scale})"
+        assert res["greedy"] == ref_greedy, f"rank {r}"
+        # each rank holds its shard only: about 1/size of the weights (norms folded, vocab padded)
+        assert res["params"] <= ref_params / size * 1.05, (r, res["params"], ref_params)
+    heads = shard_heads(overrides.get("num_attention_heads", 4), overrides.get("num_key_value_heads", 2), 0, size)
+    assert ranks[0]["kv_shape"][1] == heads.num_kv_heads
+
+
+def test_head_split_replicates_kv_heads_when_ranks_outnumber_them():
+    # the default model: 9 query heads, 3 KV heads
+    assert [shard_heads(9, 3, r, 3) for r in range(3)] == [HeadShard(3, 1, 3 * r, r) for r in range(3)]
+    # 8 query heads, 2 KV heads, 4 ranks: ranks 0-1 read KV head 0, ranks 2-3 KV head 1
+    assert [shard_heads(8, 2, r, 4).kv_start for r in range(4)] == [0, 0, 1, 1]
+    assert vocab_range(512, 2, 3) == (342, 512, 171)
+
+
+@pytest.mark.parametrize("heads, kv_heads, size, message", [
+    (9, 3, 2, "does not divide the model's 9 attention heads"),
+    (8, 6, 4, "does not divide the model's 6 KV heads"),
+    (12, 4, 6, "is not a multiple of the model's 4 KV heads"),
+])
+def test_a_tp_size_that_does_not_fit_the_heads_is_a_clear_error(heads, kv_heads, size, message):
+    with pytest.raises(ValueError, match=message):
+        shard_heads(heads, kv_heads, 0, size)
+
+
+def test_the_runner_refuses_a_tp_size_that_does_not_divide_the_heads(tiny_llama_dir):
+    from model_proc.parallel import TensorParallel
+
+    # a rank of 3 built without a group: the check comes before any collective
+    with pytest.raises(ValueError, match="--tp-size 3 does not divide the model's 4 attention heads"):
+        ModelRunner(runner_args(tiny_llama_dir), TensorParallel(rank=0, size=3))
