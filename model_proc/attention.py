@@ -312,12 +312,15 @@ class NativeAttnBackend(TorchAttnBackend):
     253 ms per step, bench/attention_bench.py).
     """
 
-    # Extend steps take the torch path unless this is set: the op's extend
-    # (query tiles over the prefix read in place, brgemm for bfloat16) is
-    # correct but measured slower than the torch path's flash kernel, per
-    # layer, SmolLM2 shapes, 2 threads: bfloat16 1024 new tokens 4.2 vs
-    # 2.8 ms, 256 new after 2048 cached 4.0 vs 2.5 ms, 4 x 256 new 1.45 vs
-    # 1.3 ms; float32 10.4 vs 6.6, 11.4 vs 5.6, 3.0 vs 3.1 ms.
+    # Extend steps take the torch path unless this is set. The op's
+    # bfloat16 extend (every key block packed once per call, both products
+    # on the matrix units through brgemm, base-2 online softmax) beats the
+    # torch path per layer in isolation, SmolLM2 shapes, 2 threads, best of
+    # 15: 256 new after 7936 cached 7.4 vs 8.0 ms, 1024 new 2.2 vs 2.9 ms;
+    # but in the whole forward it measured even (python -m
+    # bench.prefill_bench, bench/RESULTS.md: 0.341 vs 0.340 s after 7936
+    # cached), so the default stays with the torch path. Its float32 extend
+    # (SIMD dot products) is slower (1024 new 10.4 vs 6.6 ms).
     native_extend = False
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float) -> None:

@@ -18,8 +18,9 @@
 //   backend stored into the pool first) up to its last token's position, in
 //   blocks packed from their slots into small scratch; a query sees key t
 //   only if t <= prefix + its index (causal tail). bfloat16 (head_dim a
-//   multiple of 32, where torch's brgemm can run: AMX or AVX512_BF16) does
-//   the two products of a block as brgemm calls; otherwise float32 SIMD.
+//   multiple of 32, where torch's brgemm can run: AMX or AVX512_BF16) packs
+//   every key block once per call and does the two products of a block as
+//   brgemm calls (extend_brgemm); otherwise float32 SIMD, packing per tile.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -59,6 +60,8 @@ struct V16 {
   static V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   V16 operator*(V16 o) const { return {_mm512_mul_ps(v, o.v)}; }
   V16 operator-(V16 o) const { return {_mm512_sub_ps(v, o.v)}; }
+  V16 operator+(V16 o) const { return {_mm512_add_ps(v, o.v)}; }
+  static V16 max(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
   float sum() const { return _mm512_reduce_add_ps(v); }
   float max() const { return _mm512_reduce_max_ps(v); }
   // lanes >= n set to x (all of them for n <= 0)
@@ -68,9 +71,10 @@ struct V16 {
   }
   // e^x, relative error ~1e-7; inputs below -87 give ~0 (the caller masks
   // lanes that must be exactly 0)
-  V16 exp() const {
-    __m512 x = _mm512_max_ps(v, _mm512_set1_ps(-87.0f));
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  V16 exp() const { return V16{_mm512_mul_ps(_mm512_max_ps(v, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f))}.exp2(); }
+  // 2^x, the same error; inputs below -126 give ~0
+  V16 exp2() const {
+    __m512 t = _mm512_max_ps(v, _mm512_set1_ps(-126.0f));
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(t, n);  // in [-0.5, 0.5]; 2^f by its Taylor series in f ln 2
     __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
@@ -79,6 +83,19 @@ struct V16 {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return {_mm512_scalef_ps(p, n)};
+  }
+  // 2^x to ~5e-5 relative (degree 4): for weights that are rounded to
+  // bfloat16 (4e-3) before they are used
+  V16 exp2_coarse() const {
+    __m512 t = _mm512_max_ps(v, _mm512_set1_ps(-126.0f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(9.618129107628477e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return {_mm512_scalef_ps(p, n)};
   }
@@ -100,10 +117,14 @@ struct V16 {
   static V16 fma(V16 a, V16 b, V16 c) { for (int i = 0; i < 16; ++i) c.v[i] += a.v[i] * b.v[i]; return c; }
   V16 operator*(V16 o) const { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = v[i] * o.v[i]; return r; }
   V16 operator-(V16 o) const { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = v[i] - o.v[i]; return r; }
+  V16 operator+(V16 o) const { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = v[i] + o.v[i]; return r; }
+  static V16 max(V16 a, V16 b) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = std::max(a.v[i], b.v[i]); return r; }
   float sum() const { float s = 0; for (int i = 0; i < 16; ++i) s += v[i]; return s; }
   float max() const { float s = v[0]; for (int i = 1; i < 16; ++i) s = std::max(s, v[i]); return s; }
   V16 fill_from(int n, float x) const { V16 r = *this; for (int i = std::max(n, 0); i < 16; ++i) r.v[i] = x; return r; }
   V16 exp() const { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = std::exp(std::max(v[i], -87.0f)); return r; }
+  V16 exp2() const { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = std::exp2(std::max(v[i], -126.0f)); return r; }
+  V16 exp2_coarse() const { return exp2(); }
 };
 inline void prefetch(const void* p) { __builtin_prefetch(p); }
 template <typename T, int D> inline void prefetch_row(const T* p) {
@@ -446,15 +467,77 @@ void extend_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, 
   }
 }
 
-// bfloat16 extend on the CPU's matrix units: the same tiles and online
-// softmax, but the two products of each key block, scores = Q K^T and
-// acc += P V, are small GEMMs through torch's brgemm (oneDNN ukernels: AMX
-// tiles or AVX512_BF16), bfloat16 in, float32 out. K and V of the block are
-// packed in place from their slots into the VNNI layout it takes (pairs
-// along the reduced dimension: K as [D/2][keys][2], V as [keys/2][D][2]);
-// P goes in as bfloat16, as in SGLang's CPU extend.
-constexpr int kTileQB = 64;   // new tokens per work item
-constexpr int kKeyBlockB = 64;
+// bfloat16 extend on the CPU's matrix units. Two phases in one OpenMP
+// region:
+// (1) pack: each key block (kKeyBlockB keys) of each (row, KV head) is read
+//     once from its slots into the VNNI layout torch's brgemm (oneDNN
+//     ukernels: AMX tiles or AVX512_BF16) takes, pairs along the reduced
+//     dimension: K as [D/2][keys][2], V as [keys/2][D][2], into a scratch
+//     kept across calls. Each K/V byte of the pool is read once per layer,
+//     however many query tiles read it (packing per tile read the prefix
+//     once per 64 new tokens);
+// (2) attend: one work item per (row, KV head, tile of kTileQB new tokens);
+//     A's rows are the tile's query heads of that KV head (GQA: the group
+//     shares each packed block), walking the key blocks up to the tile's
+//     last token (causal tail). Per block: scores = Q K^T (brgemm, float32
+//     out), the online softmax in float32 in base 2 (scores scaled by
+//     scale * log2(e)), P rounded to bfloat16 (as in SGLang's CPU extend;
+//     the row sums keep float32), acc += P V (brgemm).
+// Blocks of 256 keys: a quarter of the online-softmax rescales and brgemm
+// calls of 64-key blocks; S (192 x 256 float32) and P stay in L2.
+constexpr int kTileQB = 64;  // new tokens per work item
+constexpr int kKeyBlockB = 256;
+constexpr float kLog2e = 1.44269504088896341f;
+
+// K rows t of a block (slots[t], KV head h) -> [D/2][BK] uint32 pairs; a
+// short block repeats its first key (masked by the caller) so every lane
+// the product reads is finite.
+template <int D, int BK>
+inline void pack_k_block(const uint32_t* k32, const int64_t* slots, int nb, int64_t slot_stride, int64_t h,
+                         uint32_t* dst) {
+  for (int t = 0; t < BK; ++t) {
+    const uint32_t* src = k32 + (slots[t < nb ? t : 0] * slot_stride + h * D) / 2;
+    for (int d2 = 0; d2 < D / 2; ++d2) dst[d2 * BK + t] = src[d2];
+  }
+}
+
+// V rows -> [BK/2][D][2]: rows t and t+1 interleaved
+template <int D, int BK>
+inline void pack_v_block(const c10::BFloat16* v, const int64_t* slots, int nb, int64_t slot_stride, int64_t h,
+                         c10::BFloat16* dst) {
+  for (int t = 0; t < BK; t += 2) {
+    const uint16_t* a = reinterpret_cast<const uint16_t*>(v + slots[t < nb ? t : 0] * slot_stride + h * D);
+    const uint16_t* b = reinterpret_cast<const uint16_t*>(v + slots[t + 1 < nb ? t + 1 : 0] * slot_stride + h * D);
+    uint16_t* o = reinterpret_cast<uint16_t*>(dst) + t * D;
+#ifdef BS_AVX512
+    // (a0 b0 a1 b1 ...): two-source permutes of 32 x 16 bits
+    static const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                               39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    static const __m512i hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+                                               55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+    if constexpr (D % 32 == 0) {
+      for (int d = 0; d < D; d += 32) {
+        const __m512i va = _mm512_loadu_si512(a + d), vb = _mm512_loadu_si512(b + d);
+        _mm512_storeu_si512(o + 2 * d, _mm512_permutex2var_epi16(va, lo, vb));
+        _mm512_storeu_si512(o + 2 * d + 32, _mm512_permutex2var_epi16(va, hi, vb));
+      }
+      continue;
+    }
+#endif
+    for (int d = 0; d < D; ++d) { o[2 * d] = a[d]; o[2 * d + 1] = b[d]; }
+  }
+}
+
+// 16 floats -> 16 bfloat16, round to nearest even
+inline void store_bf16x16(c10::BFloat16* dst, const V16& x) {
+#if defined(BS_AVX512) && defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(x.v));
+#else
+  alignas(64) float f[16];
+  x.store(f);
+  for (int i = 0; i < 16; ++i) dst[i] = c10::BFloat16(f[i]);
+#endif
+}
 
 template <int D>
 void extend_brgemm(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
@@ -468,32 +551,47 @@ void extend_brgemm(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf
   const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const T* kp = k_buf.data_ptr<T>();
+  const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k_buf.data_ptr<T>());
   const T* vp = v_buf.data_ptr<T>();
   const int64_t* qo = qo_indptr.data_ptr<int64_t>();
   const int64_t* kvp = kv_indptr.data_ptr<int64_t>();
   const int64_t* indices = kv_indices.data_ptr<int64_t>();
-  const float sc = static_cast<float>(scale);
+  const float c = static_cast<float>(scale) * kLog2e;
+  // key blocks: row b's block i of KV head h is packed entry (first_block[b] + i) * kv_heads + h
+  std::vector<int64_t> first_block(rows + 1, 0), block_row;
   std::vector<int64_t> tile_row, tile_first;
-  for (int64_t b = 0; b < rows; ++b)
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t blocks = (kvp[b + 1] - kvp[b] + BK - 1) / BK;
+    first_block[b + 1] = first_block[b] + blocks;
+    block_row.insert(block_row.end(), blocks, b);
     for (int64_t j = 0; j < qo[b + 1] - qo[b]; j += kTileQB) { tile_row.push_back(b); tile_first.push_back(j); }
-  const int64_t tiles = static_cast<int64_t>(tile_row.size());
-#pragma omp parallel num_threads(threads_for(tiles * kv_heads))
+  }
+  const int64_t packed = first_block[rows] * kv_heads, tiles = static_cast<int64_t>(tile_row.size());
+  constexpr int64_t kEntry = 2 * BK * D;  // K then V of one block, bf16
+  static std::vector<T> scratch;  // kept across calls: no page faults per layer
+  if (scratch.size() < static_cast<size_t>(packed * kEntry)) scratch.resize(packed * kEntry);
+  T* pk = scratch.data();
+#pragma omp parallel num_threads(threads_for(std::max(packed, tiles * kv_heads)))
   {
+#pragma omp for schedule(static)
+    for (int64_t e = 0; e < packed; ++e) {
+      const int64_t gb = e / kv_heads, h = e % kv_heads, b = block_row[gb];
+      const int64_t t0 = (gb - first_block[b]) * BK;
+      const int nb = static_cast<int>(std::min<int64_t>(BK, kvp[b + 1] - kvp[b] - t0));
+      const int64_t* slots = indices + kvp[b] + t0;
+      pack_k_block<D, BK>(k32, slots, nb, slot_stride, h, reinterpret_cast<uint32_t*>(pk + e * kEntry));
+      pack_v_block<D, BK>(vp, slots, nb, slot_stride, h, pk + e * kEntry + BK * D);
+    }  // implicit barrier: every block packed before any tile reads it
     const int max_m = kTileQB * group;
     std::vector<T> qa(max_m * D), pb(max_m * BK);
-    std::vector<float> acc(max_m * D), s(max_m * BK), m(max_m), l(max_m), alpha(max_m);
-    alignas(64) uint32_t kpack[D / 2 * BK];  // bf16 pairs (d, d+1) of key t at [d / 2][t]
-    alignas(64) T vpack[BK * D];             // bf16 pairs (t, t+1) of dim d at [t / 2][d][2]
-    const uint32_t* kp32 = reinterpret_cast<const uint32_t*>(kp);
+    std::vector<float> acc(max_m * D), s(max_m * BK), m(max_m), l(max_m);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < tiles * kv_heads; ++it) {
       const int64_t tile = it / kv_heads, h = it % kv_heads, b = tile_row[tile];
       const int64_t n_new = qo[b + 1] - qo[b], n_kv = kvp[b + 1] - kvp[b], prefix = n_kv - n_new;
       const int64_t j0 = tile_first[tile], j1 = std::min(n_new, j0 + kTileQB);
       const int nq = static_cast<int>(j1 - j0), mq = nq * group;
-      const int64_t* slots = indices + kvp[b];
-      // rows m = j * group + g of A: the tile's queries of this KV head's group
+      // rows mi = j * group + g of A: the tile's queries of this KV head's group
       for (int j = 0; j < nq; ++j)
         std::memcpy(qa.data() + j * group * D, qp + (qo[b] + j0 + j) * q_stride + h * group * D,
                     sizeof(T) * group * D);
@@ -502,54 +600,55 @@ void extend_brgemm(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf
       std::fill(l.begin(), l.begin() + mq, 0.0f);
       const int64_t n_keys = prefix + j1;
       for (int64_t t0 = 0; t0 < n_keys; t0 += BK) {
-        const int nb = static_cast<int>(std::min<int64_t>(BK, n_keys - t0));
-        for (int t = 0; t < BK; ++t) {
-          if (t < nb && t0 + BK + t < n_keys) {
-            prefetch_row<T, D>(kp + slots[t0 + BK + t] * slot_stride + h * D);
-            prefetch_row<T, D>(vp + slots[t0 + BK + t] * slot_stride + h * D);
-          }
-          // a short last block repeats its first key (masked below)
-          const int64_t off = slots[t0 + (t < nb ? t : 0)] * slot_stride + h * D;
-          const uint32_t* kr = kp32 + off / 2;
-          for (int d2 = 0; d2 < D / 2; ++d2) kpack[d2 * BK + t] = kr[d2];
-          const T* vr = vp + off;
-          T* vdst = vpack + (t / 2) * D * 2 + (t % 2);
-          for (int d = 0; d < D; ++d) vdst[2 * d] = vr[d];
-        }
-        at::native::cpublas::brgemm(mq, BK, D, D, BK, BK, false, qa.data(),
-                                    reinterpret_cast<const T*>(kpack), s.data());
+        const T* kblock = pk + ((first_block[b] + t0 / BK) * kv_heads + h) * kEntry;
+        at::native::cpublas::brgemm(mq, BK, D, D, BK, BK, false, qa.data(), kblock, s.data());
         for (int j = 0; j < nq; ++j) {
-          const int nv = static_cast<int>(std::min<int64_t>(nb, prefix + j0 + j + 1 - t0));  // keys seen
+          // keys of this block query j sees: up to its own position (causal)
+          const int nv = static_cast<int>(std::min<int64_t>(std::min<int64_t>(BK, n_kv - t0),
+                                                            prefix + j0 + j + 1 - t0));
           for (int g = 0; g < group; ++g) {
             const int mi = j * group + g;
             float* srow = s.data() + mi * BK;
             T* prow = pb.data() + mi * BK;
             if (nv <= 0) {  // none of this block: P row 0, acc unchanged
-              alpha[mi] = 1.0f;
-              std::fill(prow, prow + BK, T(0.0f));
+              std::memset(static_cast<void*>(prow), 0, sizeof(T) * BK);
               continue;
             }
-            float bm = kNegInf;
-            for (int t = 0; t < BK; t += 16) bm = std::max(bm, (V16::load(srow + t) * V16::bcast(sc)).fill_from(nv - t, kNegInf).max());
-            const float mn = std::max(m[mi], bm);
-            alpha[mi] = std::exp(m[mi] - mn);
-            float sum = 0.0f;
-            for (int t = 0; t < BK; t += 16) {
-              V16 e = (V16::load(srow + t) * V16::bcast(sc) - V16::bcast(mn)).exp().fill_from(nv - t, 0.0f);
-              e.store(srow + t);
-              sum += e.sum();
+            V16 vmax = V16::bcast(kNegInf);
+            const V16 vc = V16::bcast(c);
+            V16 vsum = V16::zero();
+            float mn;
+            if (nv == BK) {  // the whole block visible: no lane masks
+              for (int t = 0; t < BK; t += 16) vmax = V16::max(vmax, V16::load(srow + t));
+              mn = std::max(m[mi], vmax.max() * c);
+              const V16 neg_mn = V16::bcast(-mn);
+              for (int t = 0; t < BK; t += 16) {
+                const V16 e = V16::fma(V16::load(srow + t), vc, neg_mn).exp2_coarse();
+                vsum = vsum + e;
+                store_bf16x16(prow + t, e);
+              }
+            } else {
+              for (int t = 0; t < nv; t += 16)
+                vmax = V16::max(vmax, V16::load(srow + t).fill_from(nv - t, kNegInf));
+              mn = std::max(m[mi], vmax.max() * c);
+              const V16 neg_mn = V16::bcast(-mn);
+              for (int t = 0; t < BK; t += 16) {
+                const V16 e = t < nv ? V16::fma(V16::load(srow + t), vc, neg_mn).exp2_coarse().fill_from(nv - t, 0.0f)
+                                     : V16::zero();
+                vsum = vsum + e;
+                store_bf16x16(prow + t, e);
+              }
             }
-            // P rounded to bfloat16 for the product (l sums it in float32)
-            for (int t = 0; t < BK; ++t) prow[t] = T(srow[t]);
-            l[mi] = l[mi] * alpha[mi] + sum;
+            const float alpha = std::exp2(m[mi] - mn);  // 0 on the first block (m = -inf)
+            l[mi] = l[mi] * alpha + vsum.sum();
             m[mi] = mn;
-            if (alpha[mi] != 1.0f) {
+            if (alpha != 1.0f) {
               float* a = acc.data() + mi * D;
-              for (int c = 0; c < D / 16; ++c) (V16::load(a + 16 * c) * V16::bcast(alpha[mi])).store(a + 16 * c);
+              for (int d = 0; d < D; d += 16) (V16::load(a + d) * V16::bcast(alpha)).store(a + d);
             }
           }
         }
-        at::native::cpublas::brgemm(mq, D, BK, BK, D, D, true, pb.data(), vpack, acc.data());
+        at::native::cpublas::brgemm(mq, D, BK, BK, D, D, true, pb.data(), kblock + BK * D, acc.data());
       }
       for (int j = 0; j < nq; ++j)
         for (int g = 0; g < group; ++g) {
@@ -617,6 +716,14 @@ bool supports(const std::string& dtype, int64_t head_dim) {
   const bool dim_ok = head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 80 ||
                       head_dim == 96 || head_dim == 128 || head_dim == 256;
   return dim_ok && (dtype == "float32" || dtype == "bfloat16");
+}
+
+// Whether extend runs its products on the matrix units (extend_brgemm) for
+// this dtype and head_dim (bench/prefill_bench.py times it beside the torch
+// path's extend where it does).
+bool extend_on_matrix_units(const std::string& dtype, int64_t head_dim) {
+  return dtype == "bfloat16" && supports(dtype, head_dim) && head_dim % 32 == 0 &&
+         at::native::cpublas::could_pack(at::kBFloat16);
 }
 
 // Splits of each row's keys: enough work items for every thread (4 per
@@ -697,6 +804,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("loc"), py::call_guard<py::gil_scoped_release>());
   m.def("supports", &supports, "whether a kernel exists for this dtype name and head_dim");
   m.def("choose_splits", &choose_splits, "KV splits a decode step uses");
+  m.def("extend_on_matrix_units", &extend_on_matrix_units,
+        "whether extend runs its products on the matrix units (brgemm) for this dtype name and head_dim");
 #ifdef BS_AVX512
   m.attr("simd") = "avx512";
 #else

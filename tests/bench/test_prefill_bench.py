@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench import prefill_bench
+from tests.helpers import make_tiny_llama
 
 
 def test_whole_chunked_and_each_prefix_are_timed_both_ways(tiny_llama_dir, capsys):
@@ -22,3 +25,17 @@ def test_chunks_follow_one_another_on_the_prefix_the_earlier_ones_left():
     batches = prefill_bench.chunk_batches(list(range(3, 73)), 32)
     assert [(b.prefix_lens[0], len(b.input_ids)) for b in batches] == [(0, 32), (32, 32), (64, 6)]
     assert batches[2].out_cache_loc == list(range(65, 71))
+
+
+def test_the_native_ops_extend_is_timed_beside_the_torch_paths(tmp_path, capsys):
+    from model_proc import native
+
+    op = native.load()
+    if op is None or not op.extend_on_matrix_units("bfloat16", 32):
+        pytest.skip("no native bfloat16 extend on this CPU (needs AMX or AVX512_BF16 and a compiler)")
+    folder = make_tiny_llama(str(tmp_path / "d32"), hidden_size=128)  # head_dim 32: the op's brgemm extend
+    result = prefill_bench.main(["--model-path", folder, "--dtype", "bfloat16", "--prompt", "96",
+                                 "--chunk", "32", "--prefixes", "32", "--repeats", "1", "--no-write"])
+    assert set(result["chunked"]) == set(result["extend"]) == {"now", "op"}
+    out = capsys.readouterr().out
+    assert "native (its extend: the torch path's) backend" in out and "ratio (op)" in out
