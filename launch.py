@@ -4,6 +4,13 @@ Starts the model process, then (with the model's limits in hand) the scheduler
 and the tokenizer/HTTP process; they talk only over ZMQ ipc:// sockets in a
 private 0700 folder, removed at exit.
 
+Tensor parallelism (`--tp-size N`): N model processes, one per rank, in one
+torch.distributed group; rank 0 is the one the scheduler talks to. Over
+several machines (`--nnodes M --node-rank K --dist-init-addr HOST:PORT`, as
+SGLang spells them) each machine runs `launch.py` with its own --node-rank
+and starts its N / M ranks; only node 0 also runs the scheduler and the
+tokenizer/HTTP process.
+
 Stopping:
 - Ctrl-C or SIGTERM: an orderly stop, front to back. The tokenizer process
   stops accepting and lets requests in flight finish (up to
@@ -26,6 +33,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,7 +45,7 @@ import zmq
 from common.ipc import PullSocket
 from common.messages import IpcPaths, ModelInfo, ReadyMsg
 from common.peer_watch import remove_pids, write_pids, write_stop_reason
-from common.proc import ChildConfig, child_env, setup_logging
+from common.proc import ChildConfig, child_env, model_proc_name, setup_logging
 from common.server_args import ServerArgs
 
 logger = logging.getLogger("launch")
@@ -67,8 +75,8 @@ class Launcher:
     def stop_requested(self) -> bool:
         return self.signals_received > 0
 
-    def spawn(self, name: str, module: str, model_info: ModelInfo | None) -> None:
-        cfg = ChildConfig(server_args=self.args, ipc=self.ipc, model_info=model_info)
+    def spawn(self, name: str, module: str, model_info: ModelInfo | None, tp_rank: int = 0) -> None:
+        cfg = ChildConfig(server_args=self.args, ipc=self.ipc, model_info=model_info, tp_rank=tp_rank)
         self.children[name] = subprocess.Popen([sys.executable, "-m", module],
                                                env=child_env(cfg), cwd=ROOT, process_group=0)
 
@@ -96,10 +104,30 @@ class Launcher:
                 got[msg.proc] = msg
         return got
 
+    def local_tp_ranks(self) -> list[int]:
+        """The tensor-parallel ranks this node runs (rank 0 lives on node 0)."""
+        per_node = self.args.tp_ranks_per_node
+        return list(range(self.args.node_rank * per_node, (self.args.node_rank + 1) * per_node))
+
+    def spawn_model_ranks(self) -> set[str]:
+        if self.args.tp_size > 1 and not self.args.dist_init_addr:
+            self.args.dist_init_addr = f"127.0.0.1:{free_port()}"  # one node: a local rendezvous
+        names = set()
+        for rank in self.local_tp_ranks():
+            names.add(model_proc_name(rank))
+            self.spawn(model_proc_name(rank), "model_proc", None, tp_rank=rank)
+        if self.args.tp_size > 1:
+            logger.info("model ranks %s of %d started (rendezvous %s)", sorted(names),
+                        self.args.tp_size, self.args.dist_init_addr)
+        return names
+
     def run(self) -> int:
         logger.info("ZMQ ipc sockets in %s", self.ipc_dir)
-        self.spawn("model", "model_proc", None)
-        model_info = self.wait_ready({"model"})["model"].model_info
+        model_names = self.spawn_model_ranks()
+        if self.args.node_rank > 0:
+            return self.run_model_node(model_names)
+        # rank 0 is ready only once every rank has joined and loaded its shard
+        model_info = self.wait_ready(model_names)["model"].model_info
         assert model_info is not None
         logger.info("model ready: %s, context %d, KV pool %d tokens (%.1f MiB)",
                     model_info.model_path, model_info.context_len, model_info.max_total_tokens,
@@ -113,6 +141,20 @@ class Launcher:
             self.check_children()
             time.sleep(POLL_S)
         return self.stop_in_order()
+
+    def run_model_node(self, model_names: set[str]) -> int:
+        """--node-rank > 0: this node's model ranks only. They follow rank 0
+        (on node 0) until it goes; a rank that dies here breaks node 0's next
+        collective, which takes the server down."""
+        self.wait_ready(model_names)
+        write_pids(self.ipc_dir, {name: p.pid for name, p in self.children.items()})
+        ranks = self.local_tp_ranks()
+        print(f"Node {self.args.node_rank} is ready: model ranks {ranks[0]}..{ranks[-1]} of "
+              f"{self.args.tp_size} joined {self.args.dist_init_addr}", flush=True)
+        while not self.stop_requested:
+            self.check_children()
+            time.sleep(POLL_S)
+        return 0
 
     # ---- stopping -----------------------------------------------------------------------
 
@@ -164,7 +206,7 @@ class Launcher:
         if not self.wait_tokenizer(timeout, on_tick):
             logger.error("the tokenizer process did not stop within %g s; killing it", timeout)
             self.children["tokenizer"].kill()
-        if any(self.children[n].poll() is not None for n in ("scheduler", "model")):
+        if any(p.poll() is not None for n, p in self.children.items() if n != "tokenizer"):
             exit_code = 1  # a child died while the tokenizer drained: not a clean stop
         if not hurried and self.children["tokenizer"].poll() != 0:
             exit_code = 1  # it failed, or had to be killed
@@ -193,6 +235,12 @@ class Launcher:
         self.ready.close()
         self.ctx.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,13 @@ class ChildConfig(msgspec.Struct):
     server_args: ServerArgs
     ipc: IpcPaths
     model_info: ModelInfo | None = None
+    tp_rank: int = 0  # a model process's tensor-parallel rank (global, across nodes)
+
+
+def model_proc_name(tp_rank: int) -> str:
+    """A model rank's name in ReadyMsg, pids.json and the logs: rank 0 is
+    "model" (the one the scheduler talks to), the others "model_tp<rank>"."""
+    return "model" if tp_rank == 0 else f"model_tp{tp_rank}"
 
 
 def child_env(cfg: ChildConfig) -> dict[str, str]:
