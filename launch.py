@@ -42,6 +42,7 @@ from collections.abc import Callable
 
 import zmq
 
+from common.cpu_runtime import CpuAllocator, allocator_preload, with_preload
 from common.ipc import PullSocket
 from common.messages import IpcPaths, ModelInfo, ReadyMsg
 from common.peer_watch import remove_pids, write_pids, write_stop_reason
@@ -63,6 +64,8 @@ class ChildDied(RuntimeError):
 class Launcher:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
+        # raises (before anything starts) when --cpu-allocator tcmalloc is not installed
+        self.model_preload = allocator_preload(CpuAllocator(args.cpu_allocator), args.device)
         self.ipc_dir = tempfile.mkdtemp(prefix="batchserve-")  # created 0700
         os.chmod(self.ipc_dir, 0o700)
         self.ipc = IpcPaths.in_dir(self.ipc_dir)
@@ -77,8 +80,11 @@ class Launcher:
 
     def spawn(self, name: str, module: str, model_info: ModelInfo | None, tp_rank: int = 0) -> None:
         cfg = ChildConfig(server_args=self.args, ipc=self.ipc, model_info=model_info, tp_rank=tp_rank)
+        env = child_env(cfg)
+        if module == "model_proc":  # its allocator must be in place before it starts
+            env = with_preload(env, self.model_preload)
         self.children[name] = subprocess.Popen([sys.executable, "-m", module],
-                                               env=child_env(cfg), cwd=ROOT, process_group=0)
+                                               env=env, cwd=ROOT, process_group=0)
 
     def dead_child(self) -> str | None:
         """A message naming the first child that has exited, or None."""
@@ -246,7 +252,11 @@ def free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     args = ServerArgs.from_cli(argv)
     setup_logging(args.log_level, "launch")
-    launcher = Launcher(args)
+    try:
+        launcher = Launcher(args)
+    except RuntimeError as e:
+        logger.error("%s", e)
+        return 2
 
     def on_signal(signum: int, frame: object) -> None:
         launcher.signals_received += 1

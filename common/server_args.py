@@ -48,6 +48,7 @@ class ServerArgs:
     attention_backend: str = ""
     random_seed: int = 0
     deterministic: bool = False  # batch-invariant forward (model_proc/batch_invariant.py)
+    cpu_allocator: str = "auto"  # the model process's malloc on a CPU (common/cpu_runtime.py)
     # tensor parallelism (SGLang's meaning): tp_size model ranks in one torch.distributed group,
     # spread evenly over nnodes machines; node_rank 0 also runs the scheduler and the HTTP server
     tp_size: int = 1
@@ -111,6 +112,8 @@ class ServerArgs:
                 self.attention_backend = "torch" if self.deterministic else "native"
         if self.max_request_bytes < 1:
             raise ValueError("--max-request-bytes must be >= 1")
+        if self.cpu_allocator not in ("auto", "tcmalloc", "system"):
+            raise ValueError(f"--cpu-allocator must be auto, tcmalloc or system, not {self.cpu_allocator!r}")
         if self.attention_backend not in ("torch", "native", "triton"):
             raise ValueError(f"--attention-backend {self.attention_backend!r} is not available")
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -178,6 +181,11 @@ class ServerArgs:
                             help="default: triton on a CUDA device; on a CPU native, the C++/OpenMP op over "
                                  "the paged pool (model_proc/native/; the torch path if it cannot be built), "
                                  "or torch with --deterministic")
+        parser.add_argument("--cpu-allocator", default=d["cpu_allocator"].default,
+                            choices=["auto", "tcmalloc", "system"],
+                            help="the model process's memory allocator on a CPU: auto preloads tcmalloc "
+                                 "where it is installed (apt install libtcmalloc-minimal4; CPU steps "
+                                 "~5-15%% faster), tcmalloc requires it, system keeps glibc's malloc")
         parser.add_argument("--random-seed", type=int, default=d["random_seed"].default)
         parser.add_argument("--deterministic", action="store_true",
                             help="batch-invariant forward: a request's logits are the same bits "

@@ -1,0 +1,42 @@
+"""common/cpu_runtime.py: the model process's allocator preload."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from common import cpu_runtime
+from common.cpu_runtime import CpuAllocator, allocator_preload, with_preload
+
+
+def test_auto_preloads_tcmalloc_first_and_keeps_other_preloads() -> None:
+    library = allocator_preload(CpuAllocator.AUTO, "cpu", tcmalloc="libtcmalloc_minimal.so.4")
+    env = with_preload({"LD_PRELOAD": "libfoo.so", "X": "1"}, library)
+    assert env["LD_PRELOAD"] == "libtcmalloc_minimal.so.4 libfoo.so" and env["X"] == "1"
+    assert with_preload(env, library)["LD_PRELOAD"] == env["LD_PRELOAD"]  # not twice
+    assert with_preload({"X": "1"}, None) == {"X": "1"}
+
+
+def test_system_and_gpu_devices_preload_nothing() -> None:
+    assert allocator_preload(CpuAllocator.SYSTEM, "cpu", tcmalloc="libtcmalloc.so.4") is None
+    assert allocator_preload(CpuAllocator.TCMALLOC, "cuda:0", tcmalloc="libtcmalloc.so.4") is None
+
+
+def test_without_tcmalloc_auto_falls_back_and_tcmalloc_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_runtime, "find_tcmalloc", lambda: None)
+    assert allocator_preload(CpuAllocator.AUTO, "cpu") is None
+    with pytest.raises(RuntimeError, match="libtcmalloc-minimal4"):
+        allocator_preload(CpuAllocator.TCMALLOC, "cpu")
+
+
+def test_a_process_started_with_the_preload_runs_on_tcmalloc() -> None:
+    library = cpu_runtime.find_tcmalloc()
+    if library is None:
+        pytest.skip("tcmalloc is not installed (apt install libtcmalloc-minimal4)")
+    code = "from common.cpu_runtime import preloaded_allocator; print(preloaded_allocator())"
+    for allocator, expected in ((CpuAllocator.AUTO, "tcmalloc"), (CpuAllocator.SYSTEM, "system")):
+        env = with_preload({"PATH": "/usr/bin:/bin", "PYTHONPATH": "."}, allocator_preload(allocator, "cpu"))
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected
