@@ -2,6 +2,7 @@
 
     python -m bench.step_bench [--dtypes float32 bfloat16] [--batches 1 4 16 64 128]
                                [--contexts 256 2048] [--what forward server transformers]
+                               [--tp-size N]
 
 For each dtype, batch B and context C (every row holds C tokens and decodes
 one more):
@@ -23,7 +24,11 @@ one more):
   level, model_proc/step_stats.py) gives the forward time of the same steps:
   1 - forward / step is the share of wall time outside the forward
   (scheduler, IPC). Cases with B x C above `--server-max-tokens` are skipped:
-  their prefill alone would take minutes on a CPU.
+  their prefill alone would take minutes on a CPU. With `--tp-size N` the
+  server runs N tensor-parallel model ranks (gloo on a CPU; the default model's
+  9 heads allow 1, 3 or 9), and its rows are stored as their own cases (the
+  JSON's `tp_size`), beside the tp 1 rows; forward and transformers rows are
+  one process whatever the flag.
 - transformers: `LlamaForCausalLM.forward` of one token per row with a
   `DynamicCache` of C - 1 random positions (cropped back after each step).
   Skipped when its KV would not fit in `--hf-max-kv-gib`.
@@ -323,7 +328,7 @@ def cell(res: dict | None, floor_ms: float) -> str:
 
 
 def report(command: str, floor: Floor, results: dict, dtypes: list[str], cases: list[tuple[int, int]],
-           stat: str, load: tuple[float, float], seconds: float) -> str:
+           stat: str, load: tuple[float, float], seconds: float, tp_size: int = 1) -> str:
     header = ["dtype", "batch", "context", "floor ms (mem / compute)", "forward ms (x floor)",
               "of which attention ms", "server ms (x floor)", "outside forward",
               "server, no overlap ms (x floor)", "outside forward, no overlap", "transformers ms (x floor)",
@@ -350,7 +355,8 @@ def report(command: str, floor: Floor, results: dict, dtypes: list[str], cases: 
             f"SmolLM2-135M ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
             f"{cfg.num_kv_heads} kv heads), {platform.machine()}, {os.cpu_count()} cores, torch "
             f"{torch.__version__}, {torch.get_num_threads()} threads, attention backend "
-            f"{ServerArgs().attention_backend} (the default). Measured on the spot: read bandwidth "
+            f"{ServerArgs().attention_backend} (the default); server rows with --tp-size {tp_size}. "
+            f"Measured on the spot: read bandwidth "
             f"{floor.bandwidth / 1e9:.1f} GB/s, matmul {rates}. {stat.capitalize()} of the timed steps "
             f"(server: of the log windows); load average {load[0]:.1f} at the start, {load[1]:.1f} at "
             f"the end ({os.cpu_count()} cores: above that, other processes competed and inflated the "
@@ -358,7 +364,7 @@ def report(command: str, floor: Floor, results: dict, dtypes: list[str], cases: 
             + ("\nSkipped: " + "; ".join(skipped) + ".\n" if skipped else ""))
 
 
-def json_rows(results: dict, floor: Floor) -> list[dict]:
+def json_rows(results: dict, floor: Floor, tp_size: int = 1) -> list[dict]:
     rows = []
     for (dt, what, b, c), res in results.items():
         if "ms" not in res:
@@ -369,6 +375,8 @@ def json_rows(results: dict, floor: Floor) -> list[dict]:
         for key in ("attention_ms", "forward_ms", "outside_forward_share"):
             if key in res:
                 row[key] = round(res[key], 4)
+        if what.startswith("server") and tp_size > 1:
+            row["tp_size"] = tp_size
         rows.append(row)
     return rows
 
@@ -377,7 +385,7 @@ def write_json(rows: list[dict]) -> None:
     """This run's rows replace those of the same (dtype, batch, context, what);
     the rest of an earlier file is kept, so a subset can be rerun."""
     def key(r: dict) -> tuple:
-        return r["dtype"], r["batch"], r["context"], r["what"]
+        return r["dtype"], r["batch"], r["context"], r["what"], r.get("tp_size", 1)
 
     old = []
     if os.path.exists(RESULTS_JSON):
@@ -385,7 +393,7 @@ def write_json(rows: list[dict]) -> None:
             old = json.load(f)
     new_keys = {key(r) for r in rows}
     merged = [r for r in old if key(r) not in new_keys] + rows
-    merged.sort(key=lambda r: (r["dtype"], r["context"], r["batch"], WHATS.index(r["what"])))
+    merged.sort(key=lambda r: (r["dtype"], r["context"], r["batch"], WHATS.index(r["what"]), r.get("tp_size", 1)))
     os.makedirs(os.path.dirname(RESULTS_JSON), exist_ok=True)
     with open(RESULTS_JSON, "w") as f:
         json.dump(merged, f, indent=1)
@@ -408,6 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hf-max-kv-gib", type=float, default=None,
                    help="transformers: skip cases whose KV exceeds this (default: 30%% of MemAvailable)")
     p.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: default)")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="server rows: the server's --tp-size (tensor-parallel model ranks)")
     p.add_argument("--no-write", action="store_true", help="print only: no RESULTS.md, no JSON")
     args = p.parse_args(argv)
     if args.threads:
@@ -430,14 +440,16 @@ def main(argv: list[str] | None = None) -> None:
               else 0.3 * mem_available_bytes())
 
     cases = [(b, c) for c in args.contexts for b in args.batches]
+    tp_flags = ("--tp-size", str(args.tp_size)) if args.tp_size > 1 else ()
     results: dict[tuple[str, str, int, int], dict] = {}
     for dt in args.dtypes:
         parts = {
             "forward": lambda: bench_forward(dt, cases, args.steps, args.stat, args.pool_max_tokens),
             "transformers": lambda: bench_transformers(dt, cases, args.steps, args.stat, max_kv, model_dir, cfg),
-            "server": lambda: bench_server(dt, cases, args.stat, args.server_max_tokens, cfg.vocab_size),
+            "server": lambda: bench_server(dt, cases, args.stat, args.server_max_tokens, cfg.vocab_size,
+                                           tp_flags),
             "server-no-overlap": lambda: bench_server(dt, cases, args.stat, args.server_max_tokens, cfg.vocab_size,
-                                                      ("--disable-overlap-schedule",), "server plain"),
+                                                      ("--disable-overlap-schedule", *tp_flags), "server plain"),
         }
         for what in WHATS:
             if what in args.what:
@@ -446,12 +458,12 @@ def main(argv: list[str] | None = None) -> None:
 
     command = " ".join(["python -m bench.step_bench", *(sys.argv[1:] if argv is None else argv)])
     text = report(command, floor, results, args.dtypes, cases, args.stat, (load_start, os.getloadavg()[0]),
-                  time.perf_counter() - began)
+                  time.perf_counter() - began, args.tp_size)
     print(text)
     if not args.no_write:
         with open(RESULTS_MD, "a") as f:  # append-only: others add their sections too
             f.write(text)
-        write_json(json_rows(results, floor))
+        write_json(json_rows(results, floor, args.tp_size))
 
 
 if __name__ == "__main__":
