@@ -171,6 +171,7 @@ class CompletionShaper(Shaper):
     def __init__(self, inp: OpenAIInput, model: str, texts: TokenTexts) -> None:
         super().__init__(inp, model, texts)
         self.offsets: dict[int, int] = {}  # per choice: text length of tokens already sent (text_offset)
+        self.echoed: set[int] = set()  # streaming echo: the choices whose prompt has been sent
 
     def _logprobs(self, k: int, out: RequestOutput, start: int, end: int) -> dict[str, Any] | None:
         if not self.inp.logprobs:
@@ -191,29 +192,43 @@ class CompletionShaper(Shaper):
         """The prompt, then the completion (none with max_tokens 0); with
         logprobs, the prompt's tokens first, the first with null logprob and
         top_logprobs (nothing predicts it), as lm-eval's log-likelihood reads them."""
-        prompt = self.inp.echo_texts[k]
         reason = finish_reason(out)  # raises for an abort
         end = 0 if self.inp.hide_output else out.text_ids_len()
+        self.offsets[k] = len(self.inp.echo_texts[k])  # the completion's text offsets follow the prompt
+        choice = self._with_echo(k, out, {"index": k, "text": "" if self.inp.hide_output else out.text,
+                                          "logprobs": self._logprobs(k, out, 0, end)})
+        return {**choice, "finish_reason": "length" if self.inp.hide_output else reason,
+                "matched_stop": None if self.inp.hide_output else _matched_stop(out)}
+
+    def _with_echo(self, k: int, out: RequestOutput, choice: dict[str, Any]) -> dict[str, Any]:
+        """`choice` (text and logprobs from the first output token on) with
+        the prompt in front. Call before the choice's logprobs are computed:
+        their text offsets start after the prompt."""
+        prompt = self.inp.echo_texts[k]
         logprobs = None
         if self.inp.logprobs:
             st = out.state
             tops = st.input_top_logprobs if self.inp.top_logprobs else [None] + [[]] * (len(out.spec.req.input_ids) - 1)
             logprobs = completion_logprobs(out.spec.req.input_ids, st.input_token_logprobs, tops, self.texts,
                                            self.inp.top_logprobs, 0)
-            self.offsets[k] = len(prompt)
-            rest = self._logprobs(k, out, 0, end)
             for key in logprobs:
-                logprobs[key] += rest[key]
-        return {"index": k, "text": prompt + ("" if self.inp.hide_output else out.text), "logprobs": logprobs,
-                "finish_reason": "length" if self.inp.hide_output else reason,
-                "matched_stop": None if self.inp.hide_output else _matched_stop(out)}
+                logprobs[key] += choice["logprobs"][key]
+        return {**choice, "text": prompt + choice["text"], "logprobs": logprobs}
 
     def delta_choice(self, k: int, out: RequestOutput, delta: str, lp_start: int, lp_end: int,
                      reason: str | None) -> dict[str, Any]:
+        echo_now = self.inp.echo and k not in self.echoed  # the choice's first chunk: the prompt first
+        if echo_now:
+            self.echoed.add(k)
+            self.offsets[k] = len(self.inp.echo_texts[k])
+        if self.inp.hide_output:  # max_tokens 0: the prompt alone, its one generated token unshown
+            delta, lp_end, reason = "", lp_start, "length" if reason is not None else None
         choice = {"index": k, "text": delta, "logprobs": self._logprobs(k, out, lp_start, lp_end),
                   "finish_reason": reason}
+        if echo_now:
+            choice = self._with_echo(k, out, choice)
         if reason is not None:
-            choice["matched_stop"] = _matched_stop(out)
+            choice["matched_stop"] = None if self.inp.hide_output else _matched_stop(out)
         return choice
 
 

@@ -256,8 +256,6 @@ def check_completion_request(body: dict[str, Any], info: ModelInfo,
     echo = optional(body, "echo", check_bool, False)
     hide_output = False
     if echo:
-        if optional(body, "stream", check_bool, False):
-            raise BadRequestError("echo is not supported with stream")
         if body.get("max_tokens") == 0 and is_int(body["max_tokens"]):
             # the prompt alone (lm-eval's log-likelihood): the server generates
             # at least one token; it is neither shown nor counted

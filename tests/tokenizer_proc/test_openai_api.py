@@ -224,6 +224,24 @@ def test_completion_echo_with_max_tokens_0_returns_the_prompt_alone(server: Serv
     assert r.choices[0].logprobs is None and last_request(server).logprob_start_len == -1
 
 
+@pytest.mark.parametrize("max_tokens, logprobs", [(3, 1), (3, None), (0, 0)])
+def test_streamed_echo_adds_up_to_the_unstreamed_answer(server: Server, client: openai.OpenAI, max_tokens: int,
+                                                        logprobs: int | None) -> None:
+    """The prompt (and its logprobs) come in each choice's first chunk, as in vLLM."""
+    args = dict(model="test", prompt=[[21, 22, 23, 24], "hello"], max_tokens=max_tokens, logprobs=logprobs, echo=True)
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(**args, stream=True))
+    for c in whole.choices:
+        parts = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == c.index]
+        assert "".join(p.text for p in parts) == c.text
+        assert parts[-1].finish_reason == c.finish_reason
+        if logprobs is None:
+            assert all(p.logprobs is None for p in parts)
+            continue
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert sum((getattr(p.logprobs, key) for p in parts if p.logprobs), []) == getattr(c.logprobs, key)
+
+
 BAD = [
     ("/v1/chat/completions", {"model": "m"}, "messages"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -258,7 +276,6 @@ BAD = [
     ("/v1/completions", {"prompt": 5}, "prompt"),
     ("/v1/completions", {"prompt": [10**6]}, "out of range"),
     ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, "echo is not supported with stream"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {"messages": MESSAGES, "echo": True}, "echo is not supported on chat"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
