@@ -62,6 +62,7 @@ class LaunchedStep:
     num_tokens: int
     launch_time: float
     input_logprob_rows: list[int]  # rows whose prompt logprobs the result carries, in its order
+    samples_constrained: bool  # it samples a token a grammar constrains: the next mask needs it
 
 
 class Scheduler:
@@ -572,7 +573,7 @@ class Scheduler:
         self.model.send(fb)
         self.inflight.append(LaunchedStep(batch.forward_mode, list(batch.reqs), produces,
                                           len(fb.out_cache_loc), time.perf_counter(),
-                                          fb.input_logprob_rows))
+                                          fb.input_logprob_rows, bool(fb.grammar_rows)))
 
     def resolve_oldest(self) -> None:
         step = self.inflight.popleft()
@@ -708,8 +709,7 @@ class Scheduler:
         new to send, every result still out is processed."""
         self.expire_requests(time.time())
         self.move_compiled_grammar_reqs()
-        if self.inflight and any(r.grammar is not None and not r.finished
-                                 for step in self.inflight for r in step.reqs):
+        if any(step.samples_constrained for step in self.inflight):
             # a constrained row's next mask needs the token in flight: this
             # step runs without overlap (see scheduler_proc/grammar.py)
             self.resolve_inflight()
