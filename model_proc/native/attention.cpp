@@ -200,6 +200,23 @@ template <typename T> inline void store_row(T* dst, const float* src, float mul,
   for (int i = 0; i < d; ++i) dst[i] = static_cast<T>(src[i] * mul);
 }
 
+// What every kernel reads from its tensors: shapes, strides (in elements)
+// and data pointers. q/out [tokens, q_heads, D]; k_buf/v_buf [slots,
+// kv_heads, D]; the `group` query heads of a KV head are adjacent (GQA).
+template <typename T> struct Operands {
+  int64_t q_heads, kv_heads;
+  int group;
+  int64_t slot_stride, q_stride, o_stride;
+  const T* q;
+  T* out;
+  const T* k;
+  const T* v;
+  static Operands of(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf) {
+    return {q.size(1), k_buf.size(1), static_cast<int>(q.size(1) / k_buf.size(1)), k_buf.stride(0), q.stride(0),
+            out.stride(0), q.data_ptr<T>(), out.data_ptr<T>(), k_buf.data_ptr<T>(), v_buf.data_ptr<T>()};
+  }
+};
+
 // ------------------------------------------------------------------ decode
 constexpr int kDecodeBlock = 32;  // keys per online-softmax update
 
@@ -298,14 +315,9 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
 template <typename T, int D>
 void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                  const at::Tensor& kv_indptr, const at::Tensor& kv_indices, double scale, int64_t splits) {
-  const int64_t rows = q.size(0), q_heads = q.size(1), kv_heads = k_buf.size(1);
-  const int group = static_cast<int>(q_heads / kv_heads);
-  const int64_t slot_stride = k_buf.stride(0);
-  const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
-  const T* qp = q.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const T* kp = k_buf.data_ptr<T>();
-  const T* vp = v_buf.data_ptr<T>();
+  const int64_t rows = q.size(0);
+  const auto [q_heads, kv_heads, group, slot_stride, q_stride, o_stride, qp, op, kp, vp] =
+      Operands<T>::of(out, q, k_buf, v_buf);
   const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
   const int64_t* indices = kv_indices.data_ptr<int64_t>();
   // splits > 1: each split's acc [q_heads][D], max [q_heads], sum [q_heads]
@@ -376,14 +388,9 @@ void extend_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, 
                  const at::Tensor& qo_indptr, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                  double scale) {
   constexpr int C = D / 16;
-  const int64_t rows = qo_indptr.size(0) - 1, q_heads = q.size(1), kv_heads = k_buf.size(1);
-  const int group = static_cast<int>(q_heads / kv_heads);
-  const int64_t slot_stride = k_buf.stride(0);
-  const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
-  const T* qp = q.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const T* kp = k_buf.data_ptr<T>();
-  const T* vp = v_buf.data_ptr<T>();
+  const int64_t rows = qo_indptr.size(0) - 1;
+  const auto [q_heads, kv_heads, group, slot_stride, q_stride, o_stride, qp, op, kp, vp] =
+      Operands<T>::of(out, q, k_buf, v_buf);
   const int64_t* qo = qo_indptr.data_ptr<int64_t>();
   const int64_t* kvp = kv_indptr.data_ptr<int64_t>();
   const int64_t* indices = kv_indices.data_ptr<int64_t>();
@@ -545,14 +552,10 @@ void extend_brgemm(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf
                    double scale) {
   using T = c10::BFloat16;
   constexpr int BK = kKeyBlockB;
-  const int64_t rows = qo_indptr.size(0) - 1, q_heads = q.size(1), kv_heads = k_buf.size(1);
-  const int group = static_cast<int>(q_heads / kv_heads);
-  const int64_t slot_stride = k_buf.stride(0);
-  const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
-  const T* qp = q.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k_buf.data_ptr<T>());
-  const T* vp = v_buf.data_ptr<T>();
+  const int64_t rows = qo_indptr.size(0) - 1;
+  const auto [q_heads, kv_heads, group, slot_stride, q_stride, o_stride, qp, op, kp, vp] =
+      Operands<T>::of(out, q, k_buf, v_buf);
+  const uint32_t* k32 = reinterpret_cast<const uint32_t*>(kp);  // K rows as bfloat16 pairs
   const int64_t* qo = qo_indptr.data_ptr<int64_t>();
   const int64_t* kvp = kv_indptr.data_ptr<int64_t>();
   const int64_t* indices = kv_indices.data_ptr<int64_t>();
