@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import msgspec
 import torch
@@ -54,7 +55,11 @@ def main() -> None:
             # the node's ranks share its cores: one OpenMP pool per rank, not one per core each
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // sa.tp_ranks_per_node))
         tp = init_tensor_parallel(rank, sa.tp_size, sa.dist_init_addr, device)
-        runner = ModelRunner(sa, tp)
+        try:
+            runner = ModelRunner(sa, tp)
+        except ValueError as e:  # flags that do not fit the model (e.g. --tp-size): the reason, no traceback
+            logger.error("cannot start: %s", e)
+            sys.exit(1)
         ctx = zmq.Context()
         launcher = PushSocket(ctx, cfg.ipc.launcher)
         if tp.is_first:

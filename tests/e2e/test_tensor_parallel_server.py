@@ -6,7 +6,7 @@
   prefill and a retraction;
 - two "nodes" on localhost (two launch.py, --nnodes 2): node 1 runs only its
   model rank, node 0 everything else; same answers; node 1 leaves when node 0
-  stops;
+  stops, and node 0 fails every request and exits when node 1's rank dies;
 - a SIGKILLed rank (rank 0 or rank 1): every client answered within 5 s,
   launch.py exits non-zero, no process or socket folder left.
 """
@@ -94,34 +94,79 @@ def test_tp3_default_model_greedy_answers_equal_tp1_with_chunked_prefill_and_a_r
     assert_same_greedy(ours, reference)
 
 
+class TwoNodes:
+    """Node 1 (launch.py --node-rank 1: its model rank only) started first,
+    then node 0 (everything else), which is ready once rank 1 has joined."""
+
+    def __init__(self, model: str, tokenizer: str, log_path: str, *flags: str) -> None:
+        multi = ("--model-path", model, "--tokenizer-path", tokenizer, "--tp-size", "2", "--nnodes", "2",
+                 "--dist-init-addr", f"127.0.0.1:{free_port()}", *flags)
+        self.log = open(log_path, "w+")
+        self.node1 = subprocess.Popen([sys.executable, "launch.py", *multi, "--node-rank", "1"], cwd=ROOT,
+                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.node0: ServerProcess | None = None
+        try:
+            self.node0 = ServerProcess(*multi, "--node-rank", "0")
+        except BaseException:
+            self.close()
+            raise
+        self.node1_ranks = children_of(self.node1.pid)
+
+    def node1_log(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def close(self) -> None:
+        if self.node0 is not None:
+            self.node0.kill()
+        if self.node1.poll() is None:
+            os.killpg(self.node1.pid, signal.SIGKILL)
+            self.node1.wait()
+        self.log.close()
+
+
 def test_two_nodes_on_localhost_answer_as_tp1_and_node_1_leaves_with_node_0(tiny_model, default_model_dir,
                                                                            tiny_reference, tmp_path):
-    addr = f"127.0.0.1:{free_port()}"
-    multi = ("--model-path", tiny_model, "--tokenizer-path", default_model_dir, "--tp-size", "2",
-             "--nnodes", "2", "--dist-init-addr", addr)
-    log = open(tmp_path / "node1.log", "w+")
-    node1 = subprocess.Popen([sys.executable, "launch.py", *SCENARIO, *multi, "--node-rank", "1"], cwd=ROOT,
-                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    srv = None
+    nodes = TwoNodes(tiny_model, default_model_dir, str(tmp_path / "node1.log"), *SCENARIO)
     try:
-        srv = ServerProcess(*SCENARIO, *multi, "--node-rank", "0")
-        log.seek(0)
-        assert "Node 1 is ready: model ranks 1..1 of 2" in log.read()
+        srv = nodes.node0
+        assert "Node 1 is ready: model ranks 1..1 of 2" in nodes.node1_log()
         # node 0 runs the scheduler, the tokenizer and rank 0; node 1 rank 1 alone
         assert set(read_pids(ipc_dir(srv))) == {"model", "scheduler", "tokenizer"}
-        node1_children = children_of(node1.pid)
-        assert len(node1_children) == 1
+        assert len(nodes.node1_ranks) == 1
         assert_same_greedy(ask_all(srv, TINY_PROMPTS), tiny_reference)
         assert srv.stop(signal.SIGTERM) == 0  # an orderly stop of node 0...
-        node1.wait(timeout=30)  # ...ends node 1 too: its rank lost rank 0
-        assert not wait_gone(srv.child_pids + node1_children, 5.0), "a rank outlived its node"
+        # ...ends node 1 too: its rank lost rank 0 (a crash, as far as it can tell)
+        assert nodes.node1.wait(timeout=30) == 1
+        assert not wait_gone(srv.child_pids + nodes.node1_ranks, 5.0), "a rank outlived its node"
     finally:
-        if srv is not None:
-            srv.kill()
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
-            node1.wait()
-        log.close()
+        nodes.close()
+
+
+def test_a_rank_killed_on_node_1_fails_every_request_on_node_0(tiny_model, default_model_dir, tmp_path):
+    nodes = TwoNodes(tiny_model, default_model_dir, str(tmp_path / "node1.log"),
+                     "--max-running-requests", "2", "--max-total-tokens", "8192")
+    try:
+        srv = nodes.node0
+        load = InFlight(srv.url)
+        load.add("running-stream", long_tiny_body(0, True))
+        assert load.started.wait(60), "the first request never produced a token"
+        load.add("running-plain", long_tiny_body(1, False))
+        load.add("queued-plain", long_tiny_body(2, False))
+        os.kill(nodes.node1_ranks[0], signal.SIGKILL)  # beyond node 0's peer watch
+        t0 = time.monotonic()
+        assert_health_stops(srv.url, t0)
+        assert_all_answered_with_errors(load.results(), t0)
+        assert stopped_cleanly(srv) != 0
+        assert nodes.node1.wait(timeout=30) != 0
+    finally:
+        nodes.close()
+
+
+def long_tiny_body(k: int, stream: bool) -> dict[str, Any]:
+    """A request that outlasts any test: 4000 tokens of the tiny model."""
+    return {"input_ids": TINY_PROMPTS[k], "stream": stream,
+            "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}
 
 
 @pytest.mark.parametrize("victim", ["model", "model_tp1"])
@@ -130,16 +175,11 @@ def test_a_killed_rank_fails_every_request_and_the_server(victim, tiny_model, de
                         "--max-running-requests", "2", "--max-total-tokens", "8192")
     try:
         load = InFlight(srv.url)
-
-        def body(k: int, stream: bool) -> dict[str, Any]:
-            return {"input_ids": TINY_PROMPTS[k], "stream": stream,
-                    "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}
-
-        load.add("running-stream", body(0, True))
+        load.add("running-stream", long_tiny_body(0, True))
         assert load.started.wait(60), "the first request never produced a token"
-        load.add("running-plain", body(1, False))
-        load.add("queued-stream", body(2, True))
-        load.add("queued-plain", body(3, False))
+        load.add("running-plain", long_tiny_body(1, False))
+        load.add("queued-stream", long_tiny_body(2, True))
+        load.add("queued-plain", long_tiny_body(3, False))
         deadline = time.monotonic() + 30
         while (state := scheduler_state(srv))["num_waiting_reqs"] < 2:
             assert time.monotonic() < deadline, f"never had 2 running and 2 queued: {state}"
