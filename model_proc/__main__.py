@@ -53,7 +53,7 @@ def main() -> None:
         device = rank_device(sa, rank)
         if sa.tp_size > 1 and device.type == "cpu":
             # the node's ranks share its cores: one OpenMP pool per rank, not one per core each
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // sa.tp_ranks_per_node))
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // sa.tp_ranks_per_node))
         tp = init_tensor_parallel(rank, sa.tp_size, sa.dist_init_addr, device)
         try:
             runner = ModelRunner(sa, tp)
