@@ -158,7 +158,12 @@ class Launcher:
         print(f"Node {self.args.node_rank} is ready: model ranks {ranks[0]}..{ranks[-1]} of "
               f"{self.args.tp_size} joined {self.args.dist_init_addr}", flush=True)
         while not self.stop_requested:
-            self.check_children()
+            codes = [p.poll() for p in self.children.values()]
+            if all(code == 0 for code in codes):  # rank 0 told them to stop: node 0 stopped in order
+                logger.info("node 0 stopped the model ranks; exiting")
+                return 0
+            if any(code not in (None, 0) for code in codes):
+                self.check_children()  # raises ChildDied
             time.sleep(POLL_S)
         return 0
 
@@ -227,7 +232,16 @@ class Launcher:
         self.wait_tokenizer(FAIL_FAST_WAIT_S)
 
     def shutdown(self) -> None:
-        """Stops every child still running (SIGTERM, then SIGKILL), removes the sockets."""
+        """Stops every child still running (SIGTERM, then SIGKILL), removes the sockets.
+        Tensor-parallel rank 0 goes first: it tells every other rank, on every
+        node, to stop (so that they exit 0), and then they are gone too."""
+        rank0 = self.children.get("model")
+        if self.args.tp_size > 1 and rank0 is not None and rank0.poll() is None:
+            rank0.terminate()
+            try:
+                rank0.wait(timeout=CHILD_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
         for proc in self.children.values():
             if proc.poll() is None:
                 proc.terminate()

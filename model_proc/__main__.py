@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import msgspec
@@ -33,6 +34,10 @@ logger = logging.getLogger("model_proc")
 # elsewhere (another node, beyond the peer watch) breaks the broadcast and
 # so ends rank 0, and with it the server, even when the server is idle.
 HEARTBEAT_MS = 1000
+# What rank 0 broadcasts when launch.py stops it (SIGTERM): the other ranks
+# exit 0, so a node that runs only model ranks can tell an orderly stop from
+# a crash. No encoded ForwardBatch is one byte long.
+STOP = b"\x00"
 
 
 def rank_device(sa: ServerArgs, rank: int) -> torch.device:
@@ -82,7 +87,18 @@ def serve(cfg: ChildConfig, runner: ModelRunner, tp: TensorParallel, ctx: zmq.Co
     launcher.send(ReadyMsg(proc="model", pid=os.getpid(), model_info=runner.model_info))
     logger.info("Model process ready: %s", runner.model_info)
     decoder = msgspec.msgpack.Decoder(ForwardBatch)
+    stopping = False
+    if tp.size > 1:
+        def on_sigterm(signum: int, frame: object) -> None:
+            nonlocal stopping
+            stopping = True  # checked between batches (within HEARTBEAT_MS when idle)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
     while True:
+        if stopping:
+            logger.info("stopping: telling the other ranks")
+            tp.broadcast_bytes(STOP)
+            return
         if tp.size == 1:
             batch = batches.recv()
             assert batch is not None  # recv without timeout blocks
@@ -100,6 +116,9 @@ def follow(runner: ModelRunner, tp: TensorParallel) -> None:
     decoder = msgspec.msgpack.Decoder(ForwardBatch)
     while True:
         data = tp.broadcast_bytes(None)
+        if data == STOP:
+            logger.info("rank 0 stopped; exiting")
+            return
         if data:  # empty: rank 0's idle heartbeat
             runner.forward(decoder.decode(data))
 
