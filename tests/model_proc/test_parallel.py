@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from common.server_args import ServerArgs
-from model_proc.parallel import HeadShard, init_tensor_parallel, shard_heads, vocab_range
+from model_proc.parallel import HeadShard, TensorParallel, init_tensor_parallel, shard_heads, vocab_range
 from model_proc.runner import ModelRunner
 from tests.helpers import RunnerDriver, make_tiny_llama
 
@@ -38,15 +38,19 @@ def logits_and_greedy(runner: ModelRunner) -> tuple[torch.Tensor, list[list[int]
     return logits, RunnerDriver(runner, seed=2).greedy(PROMPTS, NEW_TOKENS)
 
 
+def weight_numel(runner: ModelRunner) -> int:
+    """Elements of the weights this runner holds (packed copies included)."""
+    packed = [m.packed for m in runner.model.modules() if getattr(m, "packed", None) is not None]
+    return sum(p.numel() for p in runner.model.parameters()) + sum(p.numel() for p in packed)
+
+
 def _rank_main(rank: int, size: int, addr: str, model: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # N ranks on 2 cores
     tp = init_tensor_parallel(rank, size, addr, torch.device("cpu"))
     try:
         runner = ModelRunner(runner_args(model), tp)
         logits, greedy = logits_and_greedy(runner)
-        params = sum(p.numel() for p in runner.model.parameters()) + sum(
-            m.packed.numel() for m in runner.model.modules() if getattr(m, "packed", None) is not None)
-        torch.save({"logits": logits, "greedy": greedy, "params": params,
+        torch.save({"logits": logits, "greedy": greedy, "params": weight_numel(runner),
                     "kv_shape": tuple(runner.kv_pool.k_buffer[0].shape)}, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         tp.close()
@@ -74,8 +78,7 @@ def test_tensor_parallel_logits_and_greedy_tokens_equal_one_process(case, tmp_pa
     model = make_tiny_llama(str(tmp_path / "model"), seed=3, **overrides)
     single = ModelRunner(runner_args(model))
     ref_logits, ref_greedy = logits_and_greedy(single)
-    ref_params = sum(p.numel() for p in single.model.parameters()) + sum(
-        m.packed.numel() for m in single.model.modules() if getattr(m, "packed", None) is not None)
+    ref_params = weight_numel(single)
     out = tmp_path / "out"
     out.mkdir()
     ranks = run_ranks(size, model, str(out))
@@ -110,8 +113,6 @@ def test_a_tp_size_that_does_not_fit_the_heads_is_a_clear_error(heads, kv_heads,
 
 
 def test_the_runner_refuses_a_tp_size_that_does_not_divide_the_heads(tiny_llama_dir):
-    from model_proc.parallel import TensorParallel
-
     # a rank of 3 built without a group: the check comes before any collective
     with pytest.raises(ValueError, match="--tp-size 3 does not divide the model's 4 attention heads"):
         ModelRunner(runner_args(tiny_llama_dir), TensorParallel(rank=0, size=3))
