@@ -194,3 +194,11 @@ def test_a_killed_rank_fails_every_request_and_the_server(victim, tiny_model, de
         assert not pid_alive(pid)
     finally:
         srv.kill()
+
+
+def test_a_tp_size_that_does_not_divide_the_heads_stops_the_start_with_the_reason(tiny_model):
+    out = subprocess.run([sys.executable, "launch.py", "--model-path", tiny_model, "--tp-size", "3",
+                          "--port", str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "cannot start: --tp-size 3 does not divide the model's 4 attention heads" in out.stderr
+    assert "Traceback" not in out.stderr
