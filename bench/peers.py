@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flags = ["--model-path", model_path, *args.ours_flags.split()]
         with LaunchedServer.ours(flags, os.path.join(args.out_dir, "peers-server.log")) as srv:
             run(OURS, srv.url)
-        notes.setdefault(OURS, f"this checkout, `python launch.py {' '.join(flags[2:])}`".rstrip())
+        notes.setdefault(OURS, "this checkout, `" + " ".join(["python launch.py", *flags[2:]]) + "`"
+                         + ("" if flags[2:] else " (the default flags)"))
     for name, url in peers.items():
         run(name, url)
 
