@@ -74,20 +74,17 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def in_row_blocks(fn: Callable[..., torch.Tensor], x: torch.Tensor, act: str,
-                  add: torch.Tensor | None, mul: torch.Tensor | None) -> torch.Tensor:
-    """fn(x, act, add, mul) computed as calls of exactly ROW_BLOCK rows (the
-    last block zero-padded), concatenated."""
+def in_row_blocks(fn: Callable[..., torch.Tensor], x: torch.Tensor,
+                  add: torch.Tensor | None) -> torch.Tensor:
+    """fn(x, add) computed as calls of exactly ROW_BLOCK rows (the last block
+    zero-padded), concatenated."""
     n = x.shape[0]
     if n == ROW_BLOCK:
-        return fn(x, act, add, mul)
+        return fn(x, add)
     rows = padded_rows(n)
     x = pad_rows(x, rows)
     add = None if add is None else pad_rows(add, rows)
-    mul = None if mul is None else pad_rows(mul, rows)
-    parts = [fn(x[r:r + ROW_BLOCK], act,
-                None if add is None else add[r:r + ROW_BLOCK],
-                None if mul is None else mul[r:r + ROW_BLOCK])
+    parts = [fn(x[r:r + ROW_BLOCK], None if add is None else add[r:r + ROW_BLOCK])
              for r in range(0, rows, ROW_BLOCK)]
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out[:n]

@@ -1,16 +1,18 @@
 """The per-token building blocks of the decoder, written for speed on a CPU.
 
 `Linear` is a weight that is prepared once, after loading, for the device it
-will run on; on a CPU it becomes a oneDNN pre-packed weight, because
-measured on this project's 2-core AVX-512 machine (bench/RESULTS.md):
+will run on. On a CPU, measured on this project's 2-core machine
+(bench/RESULTS.md, `python -m bench.linear_bench`):
 
-- MKL's float32 `F.linear` runs a single-row (decode at batch 1) matmul on
-  one thread; oneDNN's uses both and, pre-packed, reads the weight at close
-  to the memory bandwidth (the whole model's matmuls: ~21 ms vs ~43 ms).
-- pre-packing (the blocked layout oneDNN wants) is done once instead of on
-  every call, and oneDNN can fuse the epilogue that follows the matmul: the
-  residual add, SiLU, the gate * up product. One dispatch instead of two or
-  three matters at batch 1, where a layer is ~15 small ops.
+- bfloat16 with AMX or AVX512_BF16: the native op (model_proc/native/
+  linear.cpp): the weight packed once into brgemm's blocked layout, the
+  epilogue (bias, residual add, SiLU(gate) * up) fused into the pass that
+  rounds the product to bfloat16. At 1 to 64 rows, a decode step's matmuls
+  took ~2/3 of oneDNN's time with it, and no more at a prefill's 512+.
+- otherwise (float32, or no native op): a oneDNN pre-packed weight. MKL's
+  float32 `F.linear` runs a single-row matmul on one thread; oneDNN's uses
+  both and, pre-packed, reads the weight at close to the memory bandwidth
+  (the whole model's matmuls: ~21 ms vs ~43 ms). It fuses the residual add.
 
 Everything else on a GPU (or without oneDNN) stays `F.linear` plus the same
 epilogue as separate ops: same results up to float rounding.
@@ -18,10 +20,13 @@ epilogue as separate ops: same results up to float rounding.
 
 from __future__ import annotations
 
+from enum import Enum
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_proc import native
 from model_proc.batch_invariant import in_row_blocks
 from model_proc.parallel import SINGLE, TensorParallel, vocab_range
 
@@ -29,6 +34,13 @@ from model_proc.parallel import SINGLE, TensorParallel, vocab_range
 # rows; 16 was as fast as any other hint at 1..128 rows in float32 and
 # bfloat16, and clearly better than none in float32 (bench/RESULTS.md).
 PACK_HINT_ROWS = 16
+
+
+class MatmulKernel(Enum):
+    """What a prepared `Linear` runs."""
+    TORCH = "torch"      # F.linear on the plain weight (a GPU; no oneDNN)
+    ONEDNN = "onednn"    # oneDNN's pre-packed weight
+    NATIVE = "native"    # model_proc/native/linear.cpp's packed blocks
 
 
 def onednn_supports(device: torch.device, dtype: torch.dtype) -> bool:
@@ -43,72 +55,112 @@ def onednn_supports(device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
+def native_linear_op(device: torch.device, dtype: torch.dtype):  # -> the module or None
+    """The native linear op where it runs here (bfloat16 on a CPU with AMX or
+    AVX512_BF16, and a compiler); None elsewhere."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    op = native.load(name="linear")
+    return op if op is not None and op.supported() else None
+
+
+def pack_blocks(w: torch.Tensor, block: int) -> torch.Tensor:
+    """[N, K] -> [ceil(N / block), K / 2, block, 2]: per block of `block`
+    output rows, the VNNI layout brgemm reads (pairs of K side by side);
+    zero rows pad N."""
+    n, k = w.shape
+    w = F.pad(w, (0, 0, 0, -n % block))
+    return w.view(-1, block, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def gated_halves_interleaved(blocks_g: torch.Tensor, blocks_u: torch.Tensor) -> torch.Tensor:
+    """Gate block j, then up block j, ...: one task of the op holds both."""
+    return torch.stack([blocks_g, blocks_u], 1).flatten(0, 1)
+
+
 class Linear(nn.Module):
-    """y = x @ W.T + b, optionally followed by a fused epilogue.
+    """y = x @ W.T + b, optionally with a fused epilogue.
 
     Holds a plain `weight` [out, in] until `prepare` packs it (after the
-    weights are loaded and any norm folded in). Epilogues: `act="silu"`,
-    `add=t` (y + t, the residual), `mul=t` (y * t).
+    weights are loaded and any norm folded in). `gated`: the weight is gate
+    and up stacked ([2 h, in]) and the output is SiLU(gate) * up ([T, h]),
+    the MLP's activation. `add=t` in forward: y + t (the residual).
     """
 
-    # class-wide switch, so a benchmark can compare against plain F.linear
+    # class-wide switches, so a benchmark or test can compare the kernels
+    use_native = True
     use_onednn = True
     # set by the model under --deterministic: calls of a fixed number of rows
     # (batch_invariant.py), so that a row's bits do not depend on the batch
     batch_invariant = False
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, gated: bool = False) -> None:
         super().__init__()
         # weights are filled by load_weights; no point initialising them
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed: torch.Tensor | None = None
+        self.gated = gated
+        self.out_features = out_features // 2 if gated else out_features
+        self.kernel = MatmulKernel.TORCH
+        self.packed: torch.Tensor | None = None  # oneDNN's, or the native op's blocks
+        self.packed_bias: torch.Tensor | None = None  # the native op's: float32, in block order
+        self.op = None
 
     @torch.no_grad()
     def prepare(self) -> None:
-        """Pack the weight for oneDNN when it pays; the plain copy is then dropped."""
-        w = self.weight
-        if self.use_onednn and onednn_supports(w.device, w.dtype):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_HINT_ROWS)
-            # the packed copy is all forward needs: don't hold the weight twice
-            self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
+        """Pack the weight for the fastest kernel here; the plain copy is then dropped."""
+        w = self.weight.detach().contiguous()
+        op = native_linear_op(w.device, w.dtype) if self.use_native and w.shape[1] % 2 == 0 else None
+        if op is not None:
+            self.op, self.kernel = op, MatmulKernel.NATIVE
+            self.packed, self.packed_bias = self._native_blocks(w, op.block_columns)
+        elif self.use_onednn and onednn_supports(w.device, w.dtype):
+            self.kernel = MatmulKernel.ONEDNN
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS)
+        else:
+            return
+        # the packed copy is all forward needs: don't hold the weight twice
+        self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, act: str = "", add: torch.Tensor | None = None,
-                mul: torch.Tensor | None = None) -> torch.Tensor:
+    def _native_blocks(self, w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b = None if self.bias is None else self.bias.detach().float()
+        if not self.gated:
+            return pack_blocks(w, block), None if b is None else F.pad(b, (0, -b.shape[0] % block))
+        h = self.out_features
+        blocks = gated_halves_interleaved(pack_blocks(w[:h], block), pack_blocks(w[h:], block))
+        if b is None:
+            return blocks, None
+        pad = -h % block
+        halves = [F.pad(b[:h], (0, pad)).view(-1, block), F.pad(b[h:], (0, pad)).view(-1, block)]
+        return blocks, torch.stack(halves, 1).flatten()
+
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         if self.batch_invariant:
-            return in_row_blocks(self._forward, x, act, add, mul)
-        return self._forward(x, act, add, mul)
+            return in_row_blocks(self._forward, x, add)
+        return self._forward(x, add)
 
-    def _forward(self, x: torch.Tensor, act: str, add: torch.Tensor | None,
-                 mul: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None:
-            return self._onednn(x, act, add, mul)
-        y = F.linear(x, self.weight, self.bias)
-        if act == "silu":
-            y = F.silu(y, inplace=True)
+    def _forward(self, x: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
+        if self.kernel is MatmulKernel.NATIVE:
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            if add is not None and add.stride(-1) != 1:
+                add = add.contiguous()
+            return self.op.linear(x, self.packed, self.out_features, self.gated, self.packed_bias, add)
+        if self.kernel is MatmulKernel.ONEDNN:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            if add is not None and not self.gated and x.dtype == torch.float32:
+                # float32 fuses the add; the bfloat16 path adds unfused (as it did
+                # before the native op became the bfloat16 kernel)
+                return torch.ops.mkldnn._linear_pointwise.binary(x, add, self.packed, self.bias, "add")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        if self.gated:
+            h = self.out_features
+            # in place in the matmul's output: no new [T, h] tensors
+            y = F.silu(y[:, :h], inplace=True).mul_(y[:, h:])
         if add is not None:
             y += add
-        if mul is not None:
-            y *= mul
         return y
-
-    def _onednn(self, x: torch.Tensor, act: str, add: torch.Tensor | None,
-                mul: torch.Tensor | None) -> torch.Tensor:
-        if (add is not None or mul is not None) and x.dtype != torch.float32:
-            # bfloat16 keeps the add unfused. It was unfused when the default
-            # model answered "What is the capital of France?" wrongly, but
-            # that prompt's first token is a near tie (float32 margin 0.08):
-            # measured later, the fused add's logits were no further from
-            # float32 than these, nor than transformers' bfloat16
-            # (tests/model_proc/test_default_model.py). float32 fuses.
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            return y.add_(add) if add is not None else y.mul_(mul)
-        if add is not None or mul is not None:
-            assert not act, "one epilogue at a time"
-            other, kind = (add, "add") if add is not None else (mul, "mul")
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, kind)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias,
-                                                  "swish" if act == "silu" else "none", [], "")
 
 
 # ---- tensor-parallel pieces (model_proc/parallel.py) ------------------------------------
@@ -127,9 +179,7 @@ class RowParallelLinear(Linear):
         super().__init__(in_features, out_features, bias=bias and tp.is_first)
         self.tp = tp
 
-    def forward(self, x: torch.Tensor, act: str = "", add: torch.Tensor | None = None,
-                mul: torch.Tensor | None = None) -> torch.Tensor:
-        assert not act and mul is None, "a row-parallel output is partial until the all-reduce"
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x, add=add)
         return self.tp.all_reduce_(super().forward(x, add=add if self.tp.is_first else None))
@@ -165,8 +215,8 @@ class ParallelLMHead(Linear):
         super().__init__(hidden_size, rows, bias=False)
         self.tp, self.vocab_size = tp, vocab_size
 
-    def forward(self, x: torch.Tensor, act: str = "", add: torch.Tensor | None = None,
-                mul: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        assert add is None, "nothing is added to logits"
         logits = super().forward(x)
         if self.tp.size == 1:
             return logits

@@ -8,7 +8,8 @@ knows where each row starts (`AttentionMetadata`).
 Laid out for speed (the building blocks are in `layers.py`): q/k/v are one
 matmul and gate/up another; each RMSNorm's weight is folded into the matmul
 that follows it; rotary is applied in place to q and k together; the
-residual adds and the SiLU are fused into the matmuls where oneDNN can.
+residual adds and SiLU(gate) * up are fused into the matmuls where the kernel
+can (layers.py).
 
 Tensor parallelism (`--tp-size`, model_proc/parallel.py): each rank builds
 this model with its own share: its query and KV heads (the KV pool holds only
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_proc.attention import AttentionBackend, AttentionMetadata
@@ -182,17 +182,14 @@ class MLP(nn.Module):
         # this rank's slice of the intermediate size
         self.inter_start, inter_end = shard_range(cfg.intermediate_size, tp.rank, tp.size, "intermediate_size")
         self.inter = inter_end - self.inter_start
-        # gate and up in one matmul, like qkv (post_attention_layernorm's weight folded in)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        # gate and up in one matmul, like qkv (post_attention_layernorm's weight
+        # folded in), its output SiLU(gate) * up (fused where the kernel can)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias, gated=True)
         self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + mlp(h), h the normed residual."""
-        gate_up = self.gate_up_proj(h)
-        gate, up = gate_up[:, :self.inter], gate_up[:, self.inter:]
-        # in place in the matmul's output: no new [T, intermediate] tensors
-        act = F.silu(gate, inplace=True).mul_(up)
-        return self.down_proj(act, add=residual)
+        return self.down_proj(self.gate_up_proj(h), add=residual)
 
 
 class DecoderLayer(nn.Module):

@@ -43,11 +43,12 @@ if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc; then
   fi
 fi
 
-# The native attention op (model_proc/native/, --attention-backend native): compiled
-# once into ~/.cache/batchserve so that no server start pays the build (about 40 s);
-# about a second when already built. Not fatal: without it that backend is the torch path.
+# The native ops (model_proc/native/: attention, --attention-backend native; the
+# bfloat16 matmuls): compiled once into ~/.cache/batchserve so that no server start
+# pays the build (about 50 s); about a second when already built. Not fatal: without
+# them the server takes its torch paths.
 prebuild_native() {
-  "$PY" -m model_proc.native || echo "install.sh: the native attention op was not built (see above)"
+  "$PY" -m model_proc.native || echo "install.sh: a native op was not built (see above)"
 }
 
 [ -z "$missing" ] && { prebuild_native; exit 0; }

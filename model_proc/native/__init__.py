@@ -1,11 +1,14 @@
-"""The native CPU attention op (attention.cpp), built on first use with
+"""The native CPU ops, one C++ module each, built on first use with
 torch.utils.cpp_extension into a persistent cache directory and reused
-afterwards (ninja rebuilds only when the source or flags change).
+afterwards (ninja rebuilds only when the source or flags change):
 
-`load()` returns the compiled module, or None when it cannot be built (no
-compiler, a failed build, not a CPU build of torch...); the reason is
-logged once, and the caller keeps the torch path. `python -m
-model_proc.native` builds it ahead of time (scripts/install.sh does).
+- `attention` (attention.cpp): decode and extend attention over the paged pool;
+- `linear` (linear.cpp): the bfloat16 matmuls with their epilogues.
+
+`load(name)` returns the compiled module, or None when it cannot be built
+(no compiler, a failed build, not a CPU build of torch...); the reason is
+logged once, and the caller keeps its torch path. `python -m
+model_proc.native` builds them ahead of time (scripts/install.sh does).
 """
 
 from __future__ import annotations
@@ -22,15 +25,22 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention.cpp")
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODULES = ("attention", "linear")
 CFLAGS = ["-O3", "-fopenmp", "-march=native", "-std=c++17"]
+# what each module is for, in its log lines
+PURPOSE = {"attention": "native attention op", "linear": "native linear op"}
 
-_module: ModuleType | None = None
-_failure: str | None = None
+_modules: dict[str, ModuleType] = {}
+_failures: dict[str, str] = {}
 
 
-def build_dir() -> str:
-    """~/.cache/batchserve/native/<torch version>-<machine>-<cpu flags hash>-<source hash>:
+def source(name: str) -> str:
+    return os.path.join(HERE, f"{name}.cpp")
+
+
+def build_dir(name: str = "attention") -> str:
+    """~/.cache/batchserve/native/<name>-<torch version>-<machine>-<cpu flags hash>-<source hash>:
     the binary is built for this processor (-march=native), this torch and
     this source. The source is in the name because checkouts share the cache
     (worktrees, other branches): without it one checkout's build would
@@ -43,37 +53,36 @@ def build_dir() -> str:
     except OSError:
         pass
     cpu = hashlib.sha1(flags.encode()).hexdigest()[:10]
-    with open(SOURCE, "rb") as f:
-        source = hashlib.sha1(f.read() + " ".join(CFLAGS).encode()).hexdigest()[:10]
-    path = os.path.join(root, f"torch{torch.__version__}-{platform.machine()}-{cpu}-{source}")
+    with open(source(name), "rb") as f:
+        digest = hashlib.sha1(f.read() + " ".join(CFLAGS).encode()).hexdigest()[:10]
+    path = os.path.join(root, f"{name}-torch{torch.__version__}-{platform.machine()}-{cpu}-{digest}")
     os.makedirs(path, exist_ok=True)
     return path
 
 
-def load(verbose: bool = False) -> ModuleType | None:
-    """The compiled op, built if needed; None (and one log line) if it cannot be."""
-    global _module, _failure
-    if _module is not None or _failure is not None:
-        return _module
+def load(verbose: bool = False, name: str = "attention") -> ModuleType | None:
+    """The compiled module `name`, built if needed; None (and one log line) if it cannot be."""
+    if name in _modules or name in _failures:
+        return _modules.get(name)
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
-        _failure = f"no C++ compiler ({compiler!r} not on PATH)"
+        _failures[name] = f"no C++ compiler ({compiler!r} not on PATH)"
     else:
         try:
             from torch.utils.cpp_extension import load as cpp_load
-            _module = cpp_load(name="batchserve_native_attention", sources=[SOURCE],
-                               extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                               build_directory=build_dir(), verbose=verbose)
+            _modules[name] = cpp_load(name=f"batchserve_native_{name}", sources=[source(name)],
+                                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                                      build_directory=build_dir(name), verbose=verbose)
         except Exception as e:  # any build or import failure: keep the torch path
-            _failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
-    if _failure is not None:
-        logger.warning("native attention op unavailable, using the torch attention path: %s", _failure)
-    return _module
+            _failures[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
+    if name in _failures:
+        logger.warning("%s unavailable, using the torch path: %s", PURPOSE[name], _failures[name])
+    return _modules.get(name)
 
 
-def failure() -> str | None:
-    """Why load() returned None (None if it has not, or has not been called)."""
-    return _failure
+def failure(name: str = "attention") -> str | None:
+    """Why load(name) returned None (None if it has not, or has not been called)."""
+    return _failures.get(name)
 
 
 HUGE_PAGE = 2 << 20

@@ -6,51 +6,80 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_proc.layers import Linear, apply_rope_, fold_norm_weight, onednn_supports, rms_norm
+from model_proc.layers import (Linear, MatmulKernel, apply_rope_, fold_norm_weight, native_linear_op,
+                               onednn_supports, rms_norm)
 
 CPU = torch.device("cpu")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}
 
 
-def make_linear(dtype: torch.dtype, gen: torch.Generator, bias: bool, packed: bool,
-                monkeypatch: pytest.MonkeyPatch) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
-    monkeypatch.setattr(Linear, "use_onednn", packed)
-    lin = Linear(48, 80, bias=bias).to(dtype)
-    w = (torch.randn(80, 48, generator=gen) * 0.1).to(dtype)
-    b = torch.randn(80, generator=gen).to(dtype) if bias else None
+KERNELS = [MatmulKernel.NATIVE, MatmulKernel.ONEDNN, MatmulKernel.TORCH]
+
+
+def kernel_runs_here(kernel: MatmulKernel, dtype: torch.dtype) -> bool:
+    if kernel is MatmulKernel.NATIVE:
+        return native_linear_op(CPU, dtype) is not None
+    return kernel is MatmulKernel.TORCH or onednn_supports(CPU, dtype)
+
+
+def make_linear(dtype: torch.dtype, gen: torch.Generator, bias: bool, kernel: MatmulKernel, gated: bool,
+                monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int] = (80, 48),
+                ) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
+    if not kernel_runs_here(kernel, dtype):
+        pytest.skip(f"no {kernel.value} matmul for {dtype} here")
+    monkeypatch.setattr(Linear, "use_native", kernel is MatmulKernel.NATIVE)
+    monkeypatch.setattr(Linear, "use_onednn", kernel is MatmulKernel.ONEDNN)
+    out, k = shape
+    lin = Linear(k, out, bias=bias, gated=gated).to(dtype)
+    w = (torch.randn(out, k, generator=gen) * 0.1).to(dtype)
+    b = torch.randn(out, generator=gen).to(dtype) if bias else None
     with torch.no_grad():
         lin.weight.copy_(w)
         if b is not None:
             lin.bias.copy_(b)
     lin.prepare()
-    assert (lin.packed is not None) == (packed and onednn_supports(CPU, dtype))
+    assert lin.kernel is kernel
     return lin, w, b
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("packed", [True, False], ids=["onednn", "plain"])
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.value)
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_and_its_epilogues_equal_plain_torch(dtype, packed, bias, monkeypatch):
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_linear_and_its_epilogues_equal_plain_torch(dtype, kernel, bias, gated, monkeypatch):
+    """Widths that are not a multiple of the native op's blocks (80, and 40
+    per gated half), rows across its tile sizes (1 row; 64; 300 in tiles of
+    128 with a short last one)."""
     gen = torch.Generator().manual_seed(0)
-    lin, w, b = make_linear(dtype, gen, bias, packed, monkeypatch)
+    lin, w, b = make_linear(dtype, gen, bias, kernel, gated, monkeypatch)
     with torch.inference_mode():
-        for rows in (1, 7, 33):
+        for rows in (1, 7, 33, 64, 300):
             # a strided input, as the MLP's in-place gate * up view is
             x = torch.randn(rows, 96, generator=gen).to(dtype)[:, ::2]
-            other = torch.randn(rows, 80, generator=gen).to(dtype)
-            ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+            full = F.linear(x.float(), w.float(), None if b is None else b.float())
+            ref = F.silu(full[:, :40]) * full[:, 40:] if gated else full
+            other = torch.randn(*ref.shape, generator=gen).to(dtype)
             torch.testing.assert_close(lin(x).float(), ref, **TOL[dtype])
-            torch.testing.assert_close(lin(x, act="silu").float(), F.silu(ref), **TOL[dtype])
             torch.testing.assert_close(lin(x, add=other).float(), ref + other.float(), **TOL[dtype])
-            torch.testing.assert_close(lin(x, mul=other).float(), ref * other.float(), **TOL[dtype])
-            assert lin(x).dtype == dtype
+            assert lin(x).dtype == dtype and lin(x).shape == ref.shape
 
 
-def test_packing_drops_the_plain_weight(monkeypatch):
-    if not onednn_supports(CPU, torch.float32):
-        pytest.skip("no oneDNN here")
-    lin, _w, _b = make_linear(torch.float32, torch.Generator().manual_seed(1), False, True, monkeypatch)
+@pytest.mark.parametrize("kernel", [MatmulKernel.NATIVE, MatmulKernel.ONEDNN], ids=lambda k: k.value)
+def test_packing_drops_the_plain_weight(kernel, monkeypatch):
+    lin, _w, _b = make_linear(torch.bfloat16, torch.Generator().manual_seed(1), False, kernel, False, monkeypatch)
     assert lin.weight.numel() == 0 and lin.packed is not None
+
+
+def test_native_linear_rows_do_not_depend_on_their_mates(monkeypatch):
+    """A row's bits at a fixed number of rows do not depend on the other rows
+    (what --deterministic's fixed-size calls rely on, batch_invariant.py)."""
+    gen = torch.Generator().manual_seed(5)
+    lin, _w, _b = make_linear(torch.bfloat16, gen, True, MatmulKernel.NATIVE, True, monkeypatch, shape=(3072, 576))
+    x = torch.randn(16, 576, generator=gen).to(torch.bfloat16)
+    y = torch.randn(16, 576, generator=gen).to(torch.bfloat16)
+    y[3] = x[3]
+    with torch.inference_mode():
+        assert torch.equal(lin(x)[3], lin(y)[3])
 
 
 def test_rope_in_place_equals_rotate_half():
@@ -83,3 +112,23 @@ def test_rms_norm_of_bfloat16_accumulates_in_float32():
     out = rms_norm(x, 1e-5)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+def test_without_the_native_op_bfloat16_takes_onednn(monkeypatch, caplog):
+    """No compiler: one warning, and the bfloat16 matmuls take oneDNN's kernel."""
+    import logging
+
+    from model_proc import native
+
+    if not onednn_supports(CPU, torch.bfloat16):
+        pytest.skip("no oneDNN bfloat16 here")
+    monkeypatch.setattr(native, "_modules", {})
+    monkeypatch.setattr(native, "_failures", {})
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            lin = Linear(64, 64, bias=False).to(torch.bfloat16)
+            lin.prepare()
+            assert lin.kernel is MatmulKernel.ONEDNN
+    lines = [r.getMessage() for r in caplog.records if "native linear op" in r.getMessage()]
+    assert len(lines) == 1 and "no C++ compiler" in lines[0]

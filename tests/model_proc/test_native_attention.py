@@ -132,8 +132,8 @@ def test_extend_over_prefix_and_causal_tail_equals_torch(dtype: torch.dtype, gro
 def test_backend_without_the_op_is_the_torch_path(monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """No compiler or a failed build: one warning, then the torch path."""
-    monkeypatch.setattr(native, "_module", None)
-    monkeypatch.setattr(native, "_failure", None)
+    monkeypatch.setattr(native, "_modules", {})
+    monkeypatch.setattr(native, "_failures", {})
     monkeypatch.setenv("CXX", "no-such-compiler-xyz")
     pool = KVPool(64, num_layers=1, num_kv_heads=KV_HEADS, head_dim=64, dtype=torch.float32, device="cpu")
     table = ReqToTokenTable(num_rows=2, context_len=64, device="cpu")

@@ -1,0 +1,172 @@
+// The model's bfloat16 matmuls on a CPU (model_proc/layers.py `Linear`):
+// y = x @ W.T with its epilogue (bias, the residual add, the MLP's
+// SiLU(gate) * up) fused, every product on the matrix units through torch's
+// brgemm (AMX, or AVX512_BF16).
+//
+// Why not oneDNN's packed matmul, which the float32 path keeps: every matmul
+// of the default model (30 layers and the head, interleaved as in a step,
+// with their epilogues), 2 cores, bfloat16, median ms (python -m
+// bench.linear_bench, bench/RESULTS.md, 2026-12-01):
+//   rows        1     8    32    64   256   1024
+//   oneDNN    21.1  20.1  25.8  30.3  60.8  239.9
+//   this      14.2  14.3  19.1  23.0  47.4  189.3
+// A decode step's matmuls read every weight once; at 1 to 8 rows this loop
+// reads them at ~19 GB/s (the machine's `sum` read 22 GB/s), oneDNN at ~13.
+
+// Layout (packed once, by layers.pack_blocks): W [N, K] becomes blocks of
+// BN = 64 output columns, each the VNNI layout brgemm reads for B:
+// [N / BN, K / 2, BN, 2] (N padded with zero rows to a multiple of BN). A
+// gated matmul (gate and up stacked) interleaves the blocks: gate block j,
+// then up block j, so one task holds both halves of its output columns.
+//
+// Work: tasks = column blocks x row tiles, split statically between threads
+// (consecutive tasks share a block, which stays in L2). A row tile is up to
+// 64 rows (128 from 256 rows on): brgemm's M; its float32 result goes
+// through the epilogue into bfloat16 in one pass.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define BS_LINEAR 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t BN = 64;
+
+bool supported() {
+#ifdef BS_LINEAR
+  return at::native::cpublas::could_pack(at::kBFloat16);
+#else
+  return false;
+#endif
+}
+
+#ifdef BS_LINEAR
+
+inline __m512 load_bf16(const at::BFloat16* p, __mmask16 mask) {
+  const __m256i v = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+inline void store_bf16(at::BFloat16* p, __m512 v, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// e^x: 2^n * 2^f, n = round(x log2 e), |f| <= 1/2, 2^f by its Taylor
+// polynomial of degree 6 (relative error ~2e-7, far below bfloat16's 4e-3).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  for (float c : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.0f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// silu(g) * u = g * u / (1 + e^-g)
+inline __m512 silu_mul(__m512 g, __m512 u) {
+  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+  return _mm512_div_ps(_mm512_mul_ps(g, u), den);
+}
+
+struct Epilogue {
+  const float* bias;          // [blocks * BN], in the packed block order; may be null
+  const at::BFloat16* add;    // [M, n_out] row stride lda; may be null
+  int64_t lda;
+  bool gated;
+};
+
+// One task's float32 tile(s) c [rows, BN] (two for a gated task: gate, up)
+// into y's columns col0.. (at most BN of them, fewer in the last block).
+void finish_tile(const float* c, int64_t rows, int64_t tile_rows, const float* bias, const Epilogue& e,
+                 at::BFloat16* y, int64_t ldy, int64_t row0, int64_t col0, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < cols; j += 16) {
+      const __mmask16 mask = cols - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (cols - j)) - 1);
+      __m512 v = _mm512_loadu_ps(c + r * BN + j);
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
+      if (e.gated) {
+        __m512 u = _mm512_loadu_ps(c + (tile_rows + r) * BN + j);
+        if (bias) u = _mm512_add_ps(u, _mm512_loadu_ps(bias + BN + j));
+        v = silu_mul(v, u);
+      }
+      if (e.add) v = _mm512_add_ps(v, load_bf16(e.add + (row0 + r) * e.lda + col0 + j, mask));
+      store_bf16(y + (row0 + r) * ldy + col0 + j, v, mask);
+    }
+  }
+}
+
+#endif  // BS_LINEAR
+
+inline int threads_for(int64_t items) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+}
+
+// y [M, n_out] = epilogue(x [M, K] @ W.T), W packed as above.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, bool gated,
+                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& add) {
+  TORCH_CHECK(supported(), "the native linear needs AMX or AVX512_BF16 (and a build with them)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bfloat16 only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, K] with contiguous rows");
+  TORCH_CHECK(w.dim() == 4 && w.is_contiguous() && w.size(2) == BN && w.size(3) == 2, "w must be packed blocks");
+  const int64_t M = x.size(0), K = w.size(1) * 2, blocks = w.size(0), per_task = gated ? 2 : 1;
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
+  TORCH_CHECK(blocks % per_task == 0 && n_out <= blocks / per_task * BN, "n_out does not fit the blocks");
+  if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == blocks * BN,
+                        "bias must be float32 in the packed block order");
+  if (add) TORCH_CHECK(add->scalar_type() == at::kBFloat16 && add->dim() == 2 && add->size(0) == M &&
+                       add->size(1) == n_out && add->stride(1) == 1, "add must be [rows, n_out] bfloat16");
+  at::Tensor y = at::empty({M, n_out}, x.options());
+  if (M == 0 || n_out == 0) return y;
+#ifdef BS_LINEAR
+  const int64_t tile = M < 256 ? 64 : 128;
+  const int64_t tiles = (M + tile - 1) / tile, units = blocks / per_task, tasks = units * tiles;
+  const auto* xp = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const at::BFloat16*>(w.data_ptr());
+  auto* yp = reinterpret_cast<at::BFloat16*>(y.data_ptr());
+  const Epilogue e{bias ? bias->data_ptr<float>() : nullptr,
+                   add ? reinterpret_cast<const at::BFloat16*>(add->data_ptr()) : nullptr, add ? add->stride(0) : 0,
+                   gated};
+  const int64_t ldx = x.stride(0), ldy = y.stride(0);
+#pragma omp parallel num_threads(threads_for(tasks))
+  {
+    std::vector<float> c(per_task * tile * BN);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t unit = t / tiles, row0 = (t % tiles) * tile, rows = std::min(tile, M - row0);
+      for (int64_t h = 0; h < per_task; ++h) {
+        const int64_t b = unit * per_task + h;
+        at::native::cpublas::brgemm(rows, BN, K, ldx, BN, BN, false, xp + row0 * ldx, wp + b * K * BN,
+                                    c.data() + h * tile * BN);
+      }
+      const int64_t col0 = unit * BN;
+      finish_tile(c.data(), rows, tile, e.bias ? e.bias + unit * per_task * BN : nullptr, e, yp, ldy, row0, col0,
+                  std::min(BN, n_out - col0));
+    }
+    at::native::cpublas::brgemm_release();
+  }
+#endif
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.def("linear", &linear, "y = epilogue(x @ W.T), W in packed blocks (see linear.cpp)", py::arg("x"), py::arg("w"),
+        py::arg("n_out"), py::arg("gated"), py::arg("bias"), py::arg("add"), py::call_guard<py::gil_scoped_release>());
+  m.def("supported", &supported, "whether this build and CPU can run it (AMX or AVX512_BF16)");
+  m.attr("block_columns") = BN;
+}

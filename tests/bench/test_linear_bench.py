@@ -1,0 +1,17 @@
+"""bench/linear_bench.py runs each kernel this machine has and reports them side by side."""
+
+from __future__ import annotations
+
+from bench import linear_bench
+
+
+def test_every_available_kernel_is_timed_and_compared(capsys):
+    linear_bench.main(["--rows", "1", "3", "--steps", "1", "--kernels", "torch", "onednn", "native",
+                       "--no-write"])
+    out = capsys.readouterr().out
+    table = out[out.index("| rows |"):]
+    header = table.splitlines()[0]
+    assert header.startswith("| rows | torch ms (GB/s)")
+    assert [line.split(" | ")[0] for line in table.splitlines()[2:4]] == ["| 1", "| 3"]
+    for kernel in ("onednn", "native"):
+        assert (f"{kernel} / torch" in header) != (f"skipped: no {kernel} matmul" in out)
