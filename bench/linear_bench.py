@@ -29,16 +29,17 @@ import time
 import torch
 
 from bench.machine_rates import read_bandwidth
-from model_proc.layers import Linear, MatmulKernel, native_linear_op, onednn_supports
+from model_proc import layers
+from model_proc.layers import Linear, MatmulKernel, native_layers_op, onednn_supports
 
 RESULTS = os.path.join(os.path.dirname(__file__), "RESULTS.md")
 
 HIDDEN, INTER, Q, KV, LAYERS, VOCAB = 576, 1536, 576, 192, 30, 49152  # SmolLM2-135M
 
 
-def make_layers(kernel: MatmulKernel, dtype: torch.dtype, seed: int) -> list[list[Linear]]:
+def make_model(kernel: MatmulKernel, dtype: torch.dtype, seed: int) -> list[list[Linear]]:
     """30 layers of [qkv, o, gate_up, down], then [head], prepared for `kernel`."""
-    Linear.use_native, Linear.use_onednn = kernel is MatmulKernel.NATIVE, kernel is MatmulKernel.ONEDNN
+    layers.use_native, Linear.use_onednn = kernel is MatmulKernel.NATIVE, kernel is MatmulKernel.ONEDNN
     gen = torch.Generator().manual_seed(seed)
 
     def linear(k: int, n: int, gated: bool = False) -> Linear:
@@ -50,29 +51,29 @@ def make_layers(kernel: MatmulKernel, dtype: torch.dtype, seed: int) -> list[lis
         return lin
 
     try:
-        layers = [[linear(HIDDEN, Q + 2 * KV), linear(Q, HIDDEN), linear(HIDDEN, 2 * INTER, gated=True),
-                   linear(INTER, HIDDEN)] for _ in range(LAYERS)]
-        return layers + [[linear(HIDDEN, VOCAB)]]
+        model = [[linear(HIDDEN, Q + 2 * KV), linear(Q, HIDDEN), linear(HIDDEN, 2 * INTER, gated=True),
+                  linear(INTER, HIDDEN)] for _ in range(LAYERS)]
+        return model + [[linear(HIDDEN, VOCAB)]]
     finally:
-        Linear.use_native, Linear.use_onednn = True, True
+        layers.use_native, Linear.use_onednn = True, True
 
 
-def step(layers: list[list[Linear]], x: torch.Tensor) -> None:
-    for qkv, o, gate_up, down in layers[:-1]:
+def step(model: list[list[Linear]], x: torch.Tensor) -> None:
+    for qkv, o, gate_up, down in model[:-1]:
         attn_out = qkv(x)[:, :Q]  # stands in for attention's output: q's width
         h = o(attn_out, add=x)
         down(gate_up(h), add=h)
-    layers[-1][0](x)
+    model[-1][0](x)
 
 
-def weight_bytes(layers: list[list[Linear]], dtype: torch.dtype) -> int:
+def weight_bytes(dtype: torch.dtype) -> int:
     per_layer = HIDDEN * (Q + 2 * KV) + Q * HIDDEN + HIDDEN * 2 * INTER + INTER * HIDDEN
     return (LAYERS * per_layer + HIDDEN * VOCAB) * torch.tensor([], dtype=dtype).element_size()
 
 
 @torch.inference_mode()
 def run(dtype: torch.dtype, rows: list[int], kernels: list[MatmulKernel], steps: int) -> dict:
-    models = {k: make_layers(k, dtype, seed=0) for k in kernels}
+    models = {k: make_model(k, dtype, seed=0) for k in kernels}
     gen = torch.Generator().manual_seed(1)
     times: dict[tuple[MatmulKernel, int], list[float]] = {}
     for n in rows:
@@ -91,7 +92,7 @@ def run(dtype: torch.dtype, rows: list[int], kernels: list[MatmulKernel], steps:
 
 def report(command: str, dtype: torch.dtype, rows: list[int], kernels: list[MatmulKernel], medians: dict,
            bandwidth: float, load: tuple[float, float]) -> str:
-    gb = weight_bytes([], dtype) / 1e9
+    gb = weight_bytes(dtype) / 1e9
     first = kernels[0]
     lines = [f"## The model's matmuls per kernel, {datetime.date.today().isoformat()}", "", f"`{command}`", "",
              f"SmolLM2-135M's matmul shapes (30 layers + the LM head, {gb * 1e3:.0f} MB of {dtype_name(dtype)} "
@@ -116,7 +117,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def available(kernel: MatmulKernel, dtype: torch.dtype) -> bool:
     cpu = torch.device("cpu")
     if kernel is MatmulKernel.NATIVE:
-        return native_linear_op(cpu, dtype) is not None
+        return native_layers_op(cpu, dtype) is not None
     return kernel is MatmulKernel.TORCH or onednn_supports(cpu, dtype)
 
 

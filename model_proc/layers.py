@@ -5,7 +5,7 @@ will run on. On a CPU, measured on this project's 2-core machine
 (bench/RESULTS.md, `python -m bench.linear_bench`):
 
 - bfloat16 with AMX or AVX512_BF16: the native op (model_proc/native/
-  linear.cpp): the weight packed once into brgemm's blocked layout, the
+  layers.cpp): the weight packed once into brgemm's blocked layout, the
   epilogue (bias, residual add, SiLU(gate) * up) fused into the pass that
   rounds the product to bfloat16. At 1 to 64 rows, a decode step's matmuls
   took ~2/3 of oneDNN's time with it, and no more at a prefill's 512+.
@@ -40,7 +40,7 @@ class MatmulKernel(Enum):
     """What a prepared `Linear` runs."""
     TORCH = "torch"      # F.linear on the plain weight (a GPU; no oneDNN)
     ONEDNN = "onednn"    # oneDNN's pre-packed weight
-    NATIVE = "native"    # model_proc/native/linear.cpp's packed blocks
+    NATIVE = "native"    # model_proc/native/layers.cpp's packed blocks
 
 
 def onednn_supports(device: torch.device, dtype: torch.dtype) -> bool:
@@ -55,12 +55,16 @@ def onednn_supports(device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
-def native_linear_op(device: torch.device, dtype: torch.dtype):  # -> the module or None
-    """The native linear op where it runs here (bfloat16 on a CPU with AMX or
-    AVX512_BF16, and a compiler); None elsewhere."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
+# Switch for benchmarks and tests: False keeps every building block on torch.
+use_native = True
+
+
+def native_layers_op(device: torch.device, dtype: torch.dtype):  # -> the module or None
+    """The native layer ops where they run here (bfloat16 on a CPU with AMX
+    or AVX512_BF16, and a compiler); None elsewhere or when switched off."""
+    if not use_native or device.type != "cpu" or dtype != torch.bfloat16:
         return None
-    op = native.load(name="linear")
+    op = native.load(name="layers")
     return op if op is not None and op.supported() else None
 
 
@@ -87,8 +91,8 @@ class Linear(nn.Module):
     the MLP's activation. `add=t` in forward: y + t (the residual).
     """
 
-    # class-wide switches, so a benchmark or test can compare the kernels
-    use_native = True
+    # class-wide switch, so a benchmark or test can compare the kernels (the
+    # native one: the module's `use_native`)
     use_onednn = True
     # set by the model under --deterministic: calls of a fixed number of rows
     # (batch_invariant.py), so that a row's bits do not depend on the batch
@@ -110,7 +114,7 @@ class Linear(nn.Module):
     def prepare(self) -> None:
         """Pack the weight for the fastest kernel here; the plain copy is then dropped."""
         w = self.weight.detach().contiguous()
-        op = native_linear_op(w.device, w.dtype) if self.use_native and w.shape[1] % 2 == 0 else None
+        op = native_layers_op(w.device, w.dtype) if w.shape[1] % 2 == 0 else None
         if op is not None:
             self.op, self.kernel = op, MatmulKernel.NATIVE
             self.packed, self.packed_bias = self._native_blocks(w, op.block_columns)
@@ -226,10 +230,14 @@ class ParallelLMHead(Linear):
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without its weight: the weight is folded into the next matmul.
 
-    torch's rms_norm computes in float32 for a bfloat16 input, as transformers'
-    RMSNorm does after its explicit upcast (bit-identical, tested), so the
-    model needs no `.float()` / `.to(dtype)` of its own around it.
+    In bfloat16 on a CPU, the native op (one pass, float32 inside). Otherwise
+    torch's rms_norm, which computes in float32 for a bfloat16 input, as
+    transformers' RMSNorm does after its explicit upcast (bit-identical,
+    tested), so the model needs no `.float()` / `.to(dtype)` of its own.
     """
+    op = native_layers_op(x.device, x.dtype)
+    if op is not None and x.stride(-1) == 1:
+        return op.rms_norm(x, eps)
     return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
@@ -239,8 +247,13 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     x [T, heads, D] (a view into the fused qkv output, q and k heads side by
     side, so both get one pass); cos/sin [T, 1, D/2]: the table's two halves
     are equal, so only one is kept. With x = (x1, x2):
-    x1' = x1*cos - x2*sin, x2' = x2*cos + x1*sin.
+    x1' = x1*cos - x2*sin, x2' = x2*cos + x1*sin. In bfloat16 on a CPU, the
+    native op (float32 inside, rounded once); else five torch ops.
     """
+    op = native_layers_op(x.device, x.dtype)
+    if op is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous():
+        op.rope_(x, cos, sin)
+        return
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     x1_old = x1.clone()

@@ -3,7 +3,7 @@ torch.utils.cpp_extension into a persistent cache directory and reused
 afterwards (ninja rebuilds only when the source or flags change):
 
 - `attention` (attention.cpp): decode and extend attention over the paged pool;
-- `linear` (linear.cpp): the bfloat16 matmuls with their epilogues.
+- `layers` (layers.cpp): the bfloat16 matmuls with their epilogues, RMSNorm, rotary.
 
 `load(name)` returns the compiled module, or None when it cannot be built
 (no compiler, a failed build, not a CPU build of torch...); the reason is
@@ -26,10 +26,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODULES = ("attention", "linear")
+MODULES = ("attention", "layers")
 CFLAGS = ["-O3", "-fopenmp", "-march=native", "-std=c++17"]
 # what each module is for, in its log lines
-PURPOSE = {"attention": "native attention op", "linear": "native linear op"}
+PURPOSE = {"attention": "native attention op", "layers": "native layer ops"}
 
 _modules: dict[str, ModuleType] = {}
 _failures: dict[str, str] = {}

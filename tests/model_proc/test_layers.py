@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_proc.layers import (Linear, MatmulKernel, apply_rope_, fold_norm_weight, native_linear_op,
+from model_proc import layers
+from model_proc.layers import (Linear, MatmulKernel, apply_rope_, fold_norm_weight, native_layers_op,
                                onednn_supports, rms_norm)
 
 CPU = torch.device("cpu")
@@ -18,7 +19,7 @@ KERNELS = [MatmulKernel.NATIVE, MatmulKernel.ONEDNN, MatmulKernel.TORCH]
 
 def kernel_runs_here(kernel: MatmulKernel, dtype: torch.dtype) -> bool:
     if kernel is MatmulKernel.NATIVE:
-        return native_linear_op(CPU, dtype) is not None
+        return native_layers_op(CPU, dtype) is not None
     return kernel is MatmulKernel.TORCH or onednn_supports(CPU, dtype)
 
 
@@ -27,7 +28,7 @@ def make_linear(dtype: torch.dtype, gen: torch.Generator, bias: bool, kernel: Ma
                 ) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
     if not kernel_runs_here(kernel, dtype):
         pytest.skip(f"no {kernel.value} matmul for {dtype} here")
-    monkeypatch.setattr(Linear, "use_native", kernel is MatmulKernel.NATIVE)
+    monkeypatch.setattr(layers, "use_native", kernel is MatmulKernel.NATIVE)
     monkeypatch.setattr(Linear, "use_onednn", kernel is MatmulKernel.ONEDNN)
     out, k = shape
     lin = Linear(k, out, bias=bias, gated=gated).to(dtype)
@@ -106,12 +107,43 @@ def test_folded_norm_weight_equals_norm_then_matmul():
     torch.testing.assert_close(F.linear(rms_norm(x, 1e-6), fold_norm_weight(w, g)), ref)
 
 
-def test_rms_norm_of_bfloat16_accumulates_in_float32():
+def test_rms_norm_of_bfloat16_accumulates_in_float32(monkeypatch):
+    """torch's path equals the float32 computation rounded once, bit for bit;
+    the native op (its own summation order) within one bfloat16 step."""
     x = (torch.randn(3, 576, generator=torch.Generator().manual_seed(4)) * 30).to(torch.bfloat16)
-    ref = F.rms_norm(x.float(), (576,), eps=1e-5).to(torch.bfloat16)
+    ref = F.rms_norm(x.float(), (576,), eps=1e-5)
+    monkeypatch.setattr(layers, "use_native", False)
     out = rms_norm(x, 1e-5)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref.to(torch.bfloat16), atol=0, rtol=0)
+    monkeypatch.setattr(layers, "use_native", True)
+    if native_layers_op(CPU, torch.bfloat16) is None:
+        return
+    out = rms_norm(x[:, :500], 1e-5)  # a strided view, a width with a tail
+    ref = F.rms_norm(x[:, :500].float(), (500,), eps=1e-5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=0, rtol=2 ** -8)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_native_rope_equals_float32_rotary_rounded_once(head_dim):
+    if native_layers_op(CPU, torch.bfloat16) is None:
+        pytest.skip("no native layer ops here")
+    gen = torch.Generator().manual_seed(6)
+    half, heads = head_dim // 2, 12
+    x = torch.randn(5, heads, head_dim, generator=gen)
+    angles = torch.randn(5, 1, half, generator=gen)
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    xb = x.to(torch.bfloat16)
+    x1, x2 = xb.float()[..., :half], xb.float()[..., half:]
+    c, s = cos.float(), sin.float()
+    ref = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+    buf = torch.zeros(5, heads * head_dim + 32, dtype=torch.bfloat16)  # strided rows, as in qkv
+    view = buf[:, :heads * head_dim].view(5, heads, head_dim)
+    view.copy_(xb)
+    apply_rope_(view, cos, sin)
+    torch.testing.assert_close(view.float(), ref, atol=1e-6, rtol=2 ** -8)
+    assert not buf[:, heads * head_dim:].any()
 
 
 def test_without_the_native_op_bfloat16_takes_onednn(monkeypatch, caplog):
@@ -130,5 +162,5 @@ def test_without_the_native_op_bfloat16_takes_onednn(monkeypatch, caplog):
             lin = Linear(64, 64, bias=False).to(torch.bfloat16)
             lin.prepare()
             assert lin.kernel is MatmulKernel.ONEDNN
-    lines = [r.getMessage() for r in caplog.records if "native linear op" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "native layer ops" in r.getMessage()]
     assert len(lines) == 1 and "no C++ compiler" in lines[0]

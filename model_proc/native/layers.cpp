@@ -1,5 +1,7 @@
-// The model's bfloat16 matmuls on a CPU (model_proc/layers.py `Linear`):
-// y = x @ W.T with its epilogue (bias, the residual add, the MLP's
+// The decoder's per-token building blocks in bfloat16 on a CPU
+// (model_proc/layers.py): the matmuls, RMSNorm and rotary.
+//
+// Matmuls (`Linear`): y = x @ W.T with its epilogue (bias, the residual add, the MLP's
 // SiLU(gate) * up) fused, every product on the matrix units through torch's
 // brgemm (AMX, or AVX512_BF16).
 //
@@ -23,6 +25,11 @@
 // (consecutive tasks share a block, which stays in L2). A row tile is up to
 // 64 rows (128 from 256 rows on): brgemm's M; its float32 result goes
 // through the epilogue into bfloat16 in one pass.
+//
+// RMSNorm and rotary: one pass each in float32, rounded once (torch's
+// bfloat16 rotary is five ops, each rounding; its RMSNorm nine small ops).
+// At one row a layer's two norms and its rotary cost ~90 us of op dispatch
+// in torch.
 
 #include <torch/extension.h>
 
@@ -31,6 +38,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -161,12 +169,83 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, bool 
   return y;
 }
 
+#ifdef BS_LINEAR
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+}
+#endif
+
+// Rows in parallel only when there is enough work to pay for waking threads.
+inline int row_threads(int64_t rows, int64_t per_row) { return threads_for(rows * per_row / 65536 + 1); }
+
+// y = x / sqrt(mean(x^2) + eps), per row of x [rows, H] (the weight is folded
+// into the next matmul).
+at::Tensor rms_norm(const at::Tensor& x, double eps) {
+  TORCH_CHECK(supported(), "the native RMSNorm needs AVX512_BF16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, "x must be [rows, H] bfloat16");
+  const int64_t rows = x.size(0), H = x.size(1), ldx = x.stride(0);
+  at::Tensor y = at::empty({rows, H}, x.options());
+#ifdef BS_LINEAR
+  const auto* xp = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
+  auto* yp = reinterpret_cast<at::BFloat16*>(y.data_ptr());
+#pragma omp parallel for num_threads(row_threads(rows, H))
+  for (int64_t r = 0; r < rows; ++r) {
+    const at::BFloat16* in = xp + r * ldx;
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t j = 0; j < H; j += 16) {
+      const __m512 v = load_bf16(in + j, tail_mask(H - j));
+      ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / H + static_cast<float>(eps)));
+    for (int64_t j = 0; j < H; j += 16) {
+      const __mmask16 m = tail_mask(H - j);
+      store_bf16(yp + r * H + j, _mm512_mul_ps(load_bf16(in + j, m), scale), m);
+    }
+  }
+#endif
+  return y;
+}
+
+// Rotary in place, rotate-half layout: x [T, heads, D] (heads contiguous, any
+// row stride: q and k heads inside the fused qkv output), cos/sin [T, 1, D/2]
+// (or [T, D/2]). With x = (x1, x2): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(supported(), "the native rotary needs AVX512_BF16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "x must be [T, heads, D] bfloat16 with contiguous heads");
+  const int64_t T = x.size(0), heads = x.size(1), half = x.size(2) / 2, ldx = x.stride(0);
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == T * half,
+                "cos/sin must be [T, D/2] bfloat16, contiguous");
+#ifdef BS_LINEAR
+  auto* xp = reinterpret_cast<at::BFloat16*>(x.data_ptr());
+  const auto* cp = reinterpret_cast<const at::BFloat16*>(cos.data_ptr());
+  const auto* sp = reinterpret_cast<const at::BFloat16*>(sin.data_ptr());
+#pragma omp parallel for num_threads(row_threads(T, heads * half * 2))
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < half; j += 16) {
+      const __mmask16 m = tail_mask(half - j);
+      const __m512 c = load_bf16(cp + t * half + j, m), s = load_bf16(sp + t * half + j, m);
+      for (int64_t h = 0; h < heads; ++h) {
+        at::BFloat16* p = xp + t * ldx + h * 2 * half;
+        const __m512 x1 = load_bf16(p + j, m), x2 = load_bf16(p + half + j, m);
+        store_bf16(p + j, _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, s)), m);
+        store_bf16(p + half + j, _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, s)), m);
+      }
+    }
+  }
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  m.def("linear", &linear, "y = epilogue(x @ W.T), W in packed blocks (see linear.cpp)", py::arg("x"), py::arg("w"),
+  m.def("linear", &linear, "y = epilogue(x @ W.T), W in packed blocks (see layers.cpp)", py::arg("x"), py::arg("w"),
         py::arg("n_out"), py::arg("gated"), py::arg("bias"), py::arg("add"), py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm without weight, per row, float32 inside", py::arg("x"), py::arg("eps"));
+  m.def("rope_", &rope_, "rotary in place (rotate-half layout), float32 inside", py::arg("x"), py::arg("cos"),
+        py::arg("sin"));
   m.def("supported", &supported, "whether this build and CPU can run it (AMX or AVX512_BF16)");
   m.attr("block_columns") = BN;
 }
