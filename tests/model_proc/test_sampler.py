@@ -135,3 +135,16 @@ def test_token_bitmask_masks_exactly_the_clear_bits_of_the_listed_rows():
             assert out[r, t] == (logits[r, t] if allowed[t] else float("-inf"))
     for r in set(range(batch)) - set(rows):
         assert torch.equal(out[r], logits[r])  # rows without a grammar are untouched
+
+
+def test_first_argmax_equals_argmax_on_ties_and_nan():
+    from model_proc.sampler import first_argmax
+
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(20):
+        x = torch.randint(0, 4, (16, 4099), generator=gen).float()  # many ties per row
+        assert torch.equal(first_argmax(x), x.argmax(dim=-1))
+    x = torch.randn(3, 1000, generator=gen)
+    x[1, 7] = x[1, 9] = float("nan")
+    x[2] = -float("inf")
+    assert torch.equal(first_argmax(x), x.argmax(dim=-1))
