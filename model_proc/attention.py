@@ -25,6 +25,7 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import msgspec
 import torch
 import torch.nn.functional as F
 
@@ -343,24 +344,62 @@ class NativeAttnBackend(TorchAttnBackend):
             for buf in kv_pool.k_buffer + kv_pool.v_buffer:
                 native.advise_huge_pages(buf)
 
-    def init_forward_metadata(self, batch: ForwardBatch, out_cache_loc: torch.Tensor) -> TorchAttnMetadata:
-        if self.op is None or batch.forward_mode != "decode":
+    def init_forward_metadata(self, batch: ForwardBatch, out_cache_loc: torch.Tensor) -> AttentionMetadata:
+        if self.op is None:
             return super().init_forward_metadata(batch, out_cache_loc)
-        # decode: the kv_indices alone (the op needs no padded slot matrix)
+        if batch.forward_mode == "decode":
+            return self._decode_metadata(batch.req_pool_indices, batch.seq_lens, out_cache_loc)
+        # a mixed step (--enable-mixed-chunk): its last rows are running rows
+        # with one new token each; they take the decode kernel, not the
+        # extend path's per-row loop
+        bs, decoding = len(batch.seq_lens), 0
+        while decoding < bs and batch.seq_lens[bs - 1 - decoding] - batch.prefix_lens[bs - 1 - decoding] == 1:
+            decoding += 1
+        if decoding == 0 or self.native_extend:
+            return super().init_forward_metadata(batch, out_cache_loc)
+        first = bs - decoding
+        new_tokens = len(batch.input_ids) - decoding
+        extend = None
+        if first:
+            extend = super().init_forward_metadata(
+                msgspec.structs.replace(batch, req_pool_indices=batch.req_pool_indices[:first],
+                                        seq_lens=batch.seq_lens[:first], prefix_lens=batch.prefix_lens[:first]),
+                out_cache_loc[:new_tokens])
+        decode = self._decode_metadata(batch.req_pool_indices[first:], batch.seq_lens[first:],
+                                       out_cache_loc[new_tokens:])
+        new_lens = torch.tensor([s - p for s, p in zip(batch.seq_lens, batch.prefix_lens)], dtype=torch.int64)
+        return MixedAttnMetadata(
+            forward_mode="extend", batch_size=bs, qo_indptr=_indptr(new_lens), kv_indptr=decode.kv_indptr,
+            kv_indices=decode.kv_indices, seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int64),
+            prefix_lens=torch.tensor(batch.prefix_lens, dtype=torch.int64), out_cache_loc=out_cache_loc,
+            extend=extend, decode=decode, decode_token=new_tokens)
+
+    def _decode_metadata(self, req_pool_indices: list[int], seq_lens_list: list[int],
+                         out_cache_loc: torch.Tensor) -> TorchAttnMetadata:
+        """The kv_indices alone (the op needs no padded slot matrix)."""
         device = out_cache_loc.device
-        bs = len(batch.seq_lens)
-        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=device)
-        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=device)
+        bs = len(seq_lens_list)
+        rows = torch.tensor(req_pool_indices, dtype=torch.int64, device=device)
+        seq_lens = torch.tensor(seq_lens_list, dtype=torch.int64, device=device)
         kv_indptr = _indptr(seq_lens)
         return TorchAttnMetadata(
             forward_mode="decode", batch_size=bs,
             qo_indptr=torch.arange(bs + 1, dtype=torch.int64, device=device), kv_indptr=kv_indptr,
-            kv_indices=gather_kv_indices(self.req_to_token.table, rows, seq_lens, kv_indptr, sum(batch.seq_lens)),
+            kv_indices=gather_kv_indices(self.req_to_token.table, rows, seq_lens, kv_indptr, sum(seq_lens_list)),
             seq_lens=seq_lens, prefix_lens=seq_lens - 1, out_cache_loc=out_cache_loc,
-            max_len=max(batch.seq_lens))
+            max_len=max(seq_lens_list))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                meta: TorchAttnMetadata) -> torch.Tensor:
+                meta: AttentionMetadata) -> torch.Tensor:
+        if isinstance(meta, MixedAttnMetadata):
+            # the extend rows' tokens come first, the decoding rows' after them
+            t = meta.decode_token
+            if meta.extend is None:
+                return self.forward(q, k, v, layer_id, meta.decode)
+            out = torch.empty_like(q)
+            out[:t] = self.forward(q[:t], k[:t], v[:t], layer_id, meta.extend)
+            out[t:] = self.forward(q[t:], k[t:], v[t:], layer_id, meta.decode)
+            return out
         if self.op is None or not (meta.is_decode or self.native_extend):
             return super().forward(q, k, v, layer_id, meta)
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
@@ -374,6 +413,17 @@ class NativeAttnBackend(TorchAttnBackend):
                                   k, v, meta.out_cache_loc)
         return self.op.extend(out, q, k_buf, v_buf, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, self.scale,
                               k, v, meta.out_cache_loc)
+
+
+@dataclass
+class MixedAttnMetadata(AttentionMetadata):
+    """A mixed step on the native backend: the extend rows' metadata (None when
+    every row decodes) and the trailing decoding rows', whose tokens start at
+    `decode_token`. The shared fields describe the whole step (the model
+    reads qo_indptr to find each row's last token)."""
+    extend: TorchAttnMetadata | None = None
+    decode: TorchAttnMetadata | None = None
+    decode_token: int = 0
 
 
 @dataclass

@@ -180,8 +180,12 @@ class ModelRunner:
         (input_logprob_rows)."""
         self.check_batch(batch)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
-        if batch.forward_mode == "decode" and FUTURE_TOKEN in batch.input_ids:
+        if FUTURE_TOKEN in batch.input_ids:
+            # a row's token still in flight in the scheduler (overlap): a decode
+            # step's, or a running row's inside a mixed extend (one new token)
             rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=self.device)
+            if batch.forward_mode == "extend":
+                rows = rows.repeat_interleave(torch.tensor(batch.seq_lens) - torch.tensor(batch.prefix_lens))
             input_ids = torch.where(input_ids == FUTURE_TOKEN, self.last_sampled[rows], input_ids)
         out_cache_loc = torch.tensor(batch.out_cache_loc, dtype=torch.int64, device=self.device)
         positions = self._update_req_to_token(batch, out_cache_loc)
@@ -251,9 +255,14 @@ class ModelRunner:
                              or min(b.table_lens) < 1 or max(b.table_lens) > self.context_len
                              or min(b.table_slots) < 1 or max(b.table_slots) > self.max_total_tokens):
             raise ValueError("ForwardBatch: table_rows/table_lens/table_slots are inconsistent")
-        lowest = FUTURE_TOKEN if b.forward_mode == "decode" else 0  # the token sampled last
-        if min(b.input_ids) < lowest or max(b.input_ids) >= self.model_config.vocab_size:
+        if min(b.input_ids) < FUTURE_TOKEN or max(b.input_ids) >= self.model_config.vocab_size:
             raise ValueError("ForwardBatch: input_ids outside the vocabulary")
+        if b.forward_mode == "extend" and FUTURE_TOKEN in b.input_ids:
+            at = 0  # the token sampled last stands only for a running row's one new token
+            for s, p in zip(b.seq_lens, b.prefix_lens):
+                if s - p > 1 and FUTURE_TOKEN in b.input_ids[at:s - p + at]:
+                    raise ValueError("ForwardBatch: FUTURE_TOKEN in an extend row of more than one token")
+                at += s - p
         if b.penalty_rows or b.penalty_inits:
             self._check_penalties(b, bs)
         if b.input_logprob_rows:

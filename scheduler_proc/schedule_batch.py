@@ -3,6 +3,10 @@
 The running batch changes only through `filter_batch` (gather the live rows)
 and `merge_batch` (concatenate a just-prefilled batch). Per-row state lives in
 tensors indexed by row, so both are one gather or one concatenation per field.
+
+A mixed step (`--enable-mixed-chunk`, `mix_with_running`) is an extend whose
+last rows are the running batch's, each with one new token: its decode step,
+run in the same pass over the weights as the prefill.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class ScheduleBatch:
     has_grammar: bool = False  # some row is constrained by a grammar
     # this step only
     prefix_lens: list[int] = field(default_factory=list)
+    decode_from: int = 0  # rows from here on decode one token (all in decode, none in a plain extend)
     input_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     out_cache_loc: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     # rows whose prefix the cache manager rewrote: the model's table follows
@@ -110,6 +115,7 @@ class ScheduleBatch:
         """Slots for every row's uncached tokens. Rows were given their table
         row (and their cached prefix) at admission."""
         self.forward_mode = ForwardMode.EXTEND
+        self.decode_from = len(self.reqs)
         fills = [r.fill_ids for r in self.reqs]
         self.prefix_lens = [r.kv_len for r in self.reqs]
         extend_lens = [r.extend_input_len or len(f) - p
@@ -170,6 +176,7 @@ class ScheduleBatch:
         """One new token per row: the row's last sampled token, at position seq_len.
         A token still in flight (overlap) goes as FUTURE_TOKEN: the model has it."""
         self.forward_mode = ForwardMode.DECODE
+        self.decode_from = 0
         self.prefix_lens = []
         self.penalty_inits = []
         self.input_logprob_rows, self.input_logprob_starts, self.input_logprob_targets = [], [], []
@@ -186,6 +193,26 @@ class ScheduleBatch:
         for r in self.reqs:
             r.kv_len += 1
 
+    def mix_with_running(self, running: "ScheduleBatch") -> None:
+        """Append the running batch, prepared for its decode step, as extend
+        rows of one new token each (its FUTURE_TOKEN inputs included: the model
+        resolves them per row)."""
+        assert self.forward_mode is ForwardMode.EXTEND and running.forward_mode is ForwardMode.DECODE
+        self.decode_from = len(self.reqs)
+        self.prefix_lens = self.prefix_lens + (running.seq_lens - 1).tolist()
+        self.input_ids = torch.cat([self.input_ids, running.input_ids])
+        self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])
+        self.table_rows = self.table_rows + running.table_rows
+        self.table_lens = self.table_lens + running.table_lens
+        self.table_slots = self.table_slots + running.table_slots
+        self.merge_batch(running)
+
+    def keeps_token(self, i: int, seq_len: int) -> bool:
+        """Whether row i keeps the token it samples this step (seq_len: its
+        length after the step): a decoding row always; an extend row only once
+        its whole prompt is in (not after a mid-prompt chunk)."""
+        return i >= self.decode_from or seq_len == self.reqs[i].seq_len
+
     def collect_table_rewrites(self, cache: CacheManager) -> None:
         """Rows whose first slots the cache manager set (a matched prefix, or
         duplicates moved onto the cache's copies) go with this step."""
@@ -201,9 +228,8 @@ class ScheduleBatch:
         nor a finished row computed as padding (static batching)."""
         if not self.has_penalties:
             return []
-        decode = self.forward_mode is ForwardMode.DECODE
         return [i for i, r in enumerate(self.reqs)
-                if r.penalized and not r.finished and (decode or seq_lens[i] == r.seq_len)
+                if r.penalized and not r.finished and self.keeps_token(i, seq_lens[i])
                 and r.penalizes_next_token()]
 
     def grammar_rows(self, seq_lens: list[int]) -> list[int]:
@@ -212,9 +238,8 @@ class ScheduleBatch:
         token (the scheduler reads a step in flight before building one)."""
         if not self.has_grammar:
             return []
-        decode = self.forward_mode is ForwardMode.DECODE
         rows = [i for i, r in enumerate(self.reqs)
-                if r.grammar is not None and not r.finished and (decode or seq_lens[i] == r.seq_len)]
+                if r.grammar is not None and not r.finished and self.keeps_token(i, seq_lens[i])]
         assert all(not self.reqs[i].pending_tokens for i in rows), "a grammar row with a token in flight"
         return rows
 

@@ -63,6 +63,7 @@ class LaunchedStep:
     launch_time: float
     input_logprob_rows: list[int]  # rows whose prompt logprobs the result carries, in its order
     samples_constrained: bool  # it samples a token a grammar constrains: the next mask needs it
+    num_decode_rows: int  # rows decoding one token (all of a decode step, the running rows of a mixed one)
 
 
 class Scheduler:
@@ -115,6 +116,7 @@ class Scheduler:
 
         # counters
         self.num_decode_steps = 0
+        self.num_mixed_steps = 0  # prefill steps the running rows decoded in (--enable-mixed-chunk)
         self.total_retractions = 0
         self.useful_row_steps = 0  # rows whose step produced a token that was kept
         self.total_row_steps = 0  # rows computed (static batching also computes finished ones)
@@ -316,7 +318,7 @@ class Scheduler:
             new_batch = self.get_new_batch_prefill()
             if new_batch is not None:
                 # only prefills that make running rows wait count towards the bound
-                if self.running_batch is not None:
+                if self.running_batch is not None and not self.mix_running_into(new_batch):
                     self.num_consecutive_prefill += 1
                 return new_batch
         self.num_consecutive_prefill = 0
@@ -325,6 +327,22 @@ class Scheduler:
                 self.new_token_ratio = self.init_new_token_ratio  # idle: reset
             return None
         return self.update_running_batch()
+
+    def mix_running_into(self, batch: ScheduleBatch) -> bool:
+        """--enable-mixed-chunk: the running rows take their decode step inside
+        this prefill step (SGLang's mixed chunk): one pass over the weights
+        for both, and no running row waits for the prefill. They come back as
+        running rows when the step's rows are merged (get_next_batch_to_run).
+        Not when the pool lacks a slot per row: then they wait, and their own
+        decode step retracts as usual."""
+        running = self.running_batch
+        if not self.args.enable_mixed_chunk or running is None or self.cache.available() < len(running):
+            return False
+        running.prepare_for_decode(self.cache)
+        batch.mix_with_running(running)
+        self.running_batch = None
+        self.num_mixed_steps += 1
+        return True
 
     def keeps_running(self, req: Req) -> bool:
         return not req.finished and not req.finishes_with_pending(self.context_len)
@@ -564,16 +582,15 @@ class Scheduler:
     def launch_batch(self, batch: ScheduleBatch) -> None:
         """Send the step to the model; its result is processed by resolve_oldest."""
         fb = batch.to_forward_batch()
-        if batch.forward_mode is ForwardMode.DECODE:
-            produces = [True] * len(batch)
-        else:  # a row whose prompt is not all in the pool yet samples nothing it keeps
-            produces = [s == r.seq_len for r, s in zip(batch.reqs, fb.seq_lens)]
+        # a row whose prompt is not all in the pool yet samples nothing it keeps
+        produces = [batch.keeps_token(i, s) for i, s in enumerate(fb.seq_lens)]
         for r, p in zip(batch.reqs, produces):
             r.pending_tokens += p
         self.model.send(fb)
         self.inflight.append(LaunchedStep(batch.forward_mode, list(batch.reqs), produces,
                                           len(fb.out_cache_loc), time.perf_counter(),
-                                          fb.input_logprob_rows, bool(fb.grammar_rows)))
+                                          fb.input_logprob_rows, bool(fb.grammar_rows),
+                                          len(batch) - batch.decode_from))
 
     def resolve_oldest(self) -> None:
         step = self.inflight.popleft()
@@ -630,11 +647,12 @@ class Scheduler:
                 req.check_finished(self.context_len)
             if req.finished:
                 self.retire_finished(req)
-        if step.forward_mode is ForwardMode.DECODE:
+        decoded = step.num_decode_rows
+        if decoded:
             self.num_decode_steps += 1
-            self.decode_tokens_since_log += len(step.reqs)
+            self.decode_tokens_since_log += decoded
             if self.num_decode_steps % DECODE_LOG_INTERVAL == 0:
-                self.log_decode_stats(len(step.reqs))
+                self.log_decode_stats(decoded)
         self.stream_output(step.reqs)
 
     def release_req(self, req: Req, retracting: bool = False) -> None:
@@ -783,6 +801,8 @@ class Scheduler:
             "token_usage": self.token_usage(),
             "new_token_ratio": self.new_token_ratio,
             "total_retractions": self.total_retractions,
+            "enable_mixed_chunk": self.args.enable_mixed_chunk,
+            "num_mixed_steps": self.num_mixed_steps,
             "batch_utilisation": self.utilisation(),
             "useful_row_steps": self.useful_row_steps,
             "total_row_steps": self.total_row_steps,

@@ -77,8 +77,11 @@ def test_steps_sent_before_their_predecessors_result_take_the_token_sampled_last
     assert tokens == hf_greedy(tiny_llama_hf, PROMPT, 3)
 
 
-def test_future_token_mixes_with_known_inputs_and_is_refused_in_an_extend(
+def test_future_token_mixes_with_known_inputs_and_is_refused_in_a_prompt(
         make_runner, tiny_llama_dir):
+    """FUTURE_TOKEN stands for a row's last sampled token in a decode step and
+    in an extend row of one new token (a running row inside a mixed step);
+    in an extend row of more tokens (a prompt) it is refused."""
     runner = make_runner(tiny_llama_dir, max_total_tokens=64, max_running_requests=2)
     prompts = [[5, 6, 7], [8, 9]]
     first = runner.forward(ForwardBatch("extend", [1, 2], [3, 2], [0, 0], prompts[0] + prompts[1],
@@ -95,8 +98,12 @@ def test_future_token_mixes_with_known_inputs_and_is_refused_in_an_extend(
     assert decode([first[0], FUTURE_TOKEN]) == known
     runner.last_sampled[1:3] = torch.tensor(first)
     assert decode([FUTURE_TOKEN, FUTURE_TOKEN]) == known
-    with pytest.raises(ValueError, match="input_ids"):
-        runner.forward(ForwardBatch("extend", [1], [4], [3], [FUTURE_TOKEN], [8], [0.0], [1.0],
+    runner.last_sampled[1:3] = torch.tensor(first)
+    mixed = runner.forward(ForwardBatch("extend", [1, 2], [4, 3], [3, 2], [FUTURE_TOKEN, FUTURE_TOKEN], [6, 7],
+                                        [0.0] * 2, [1.0] * 2, [-1] * 2, [0.0] * 2, [-1] * 2, [1, 1]))
+    assert mixed.next_token_ids == known
+    with pytest.raises(ValueError, match="FUTURE_TOKEN"):
+        runner.forward(ForwardBatch("extend", [1], [4], [2], [first[0], FUTURE_TOKEN], [8, 9], [0.0], [1.0],
                                     [-1], [0.0], [-1], [1]))
 
 

@@ -11,7 +11,7 @@ import torch
 
 from common.messages import ForwardBatch
 from model_proc import native
-from model_proc.attention import NativeAttnBackend, TorchAttnBackend, create_attention_backend
+from model_proc.attention import MixedAttnMetadata, NativeAttnBackend, TorchAttnBackend, create_attention_backend
 from model_proc.kv_cache import KVPool, ReqToTokenTable
 from tests.helpers import RunnerDriver
 
@@ -192,3 +192,31 @@ def test_model_greedy_output_with_native_backend_equals_torch_backend(tiny_llama
     assert tokens["native"] == tokens["torch"]
     for ours, ref in zip(logits["native"], logits["torch"]):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("extend_rows", [2, 0])
+def test_mixed_step_decodes_its_one_token_rows_with_the_op(dtype: torch.dtype, extend_rows: int) -> None:
+    """A mixed step (--enable-mixed-chunk): extend rows, then running rows of
+    one new token each; those take the decode kernel (extend stays on the
+    torch path, the backend's default), and the whole equals torch's extend."""
+    ours, ref, gen = make_pair(dtype, 3, 64, seed=40 + extend_rows)
+    ours.native_extend = False
+    rows = [3, 1, 5, 2, 4][-(extend_rows + 3):]
+    prefix_lens = [0, 260, 6, 199, 1499][-(extend_rows + 3):]
+    seq_lens = [96, 300, 7, 200, 1500][-(extend_rows + 3):]
+    table = ours.req_to_token.table
+    fill_rows(table, rows, seq_lens, gen)
+    loc = torch.cat([table[r, p:s].long() for r, s, p in zip(rows, seq_lens, prefix_lens)])
+    batch = make_batch("extend", rows, seq_lens, prefix_lens, loc.numel())
+    meta = ours.init_forward_metadata(batch, loc)
+    assert isinstance(meta, MixedAttnMetadata) and meta.decode.batch_size == 3
+    assert (meta.extend is None) == (extend_rows == 0)
+    assert torch.equal(meta.qo_indptr, torch.tensor([0, *torch.tensor(seq_lens).sub(torch.tensor(prefix_lens))
+                                                     .cumsum(0).tolist()]))
+    out, expected = run_both(ours, ref, batch, loc, 3 * KV_HEADS, dtype, gen)
+    q0 = 0
+    for s, p in zip(seq_lens, prefix_lens):
+        assert rel_err(out[q0:q0 + s - p], expected[q0:q0 + s - p]) < TOL[dtype], f"prefix {p}, {s - p} new"
+        q0 += s - p

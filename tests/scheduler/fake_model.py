@@ -4,7 +4,7 @@ the real model, and checks the KV the scheduler hands it.
 Like the model process, it keeps its own `req_to_token` table, written only
 from what the batches carry (new tokens' slots, rows the scheduler rewrote),
 and each row's last sampled token for decode inputs sent as FUTURE_TOKEN (the
-overlap schedule).
+overlap schedule; also the running rows of a mixed step, --enable-mixed-chunk).
 
 Its "KV" is a fingerprint per slot: the position it was written at, and a
 hash chained over every token of the sequence up to it. Before a row computes,
@@ -98,11 +98,12 @@ class FakeModel:
             prefixes = [s - 1 for s in batch.seq_lens]
         assert sum(counts) == len(batch.out_cache_loc) == len(batch.input_ids)
         assert 0 not in batch.out_cache_loc, "slot 0 is the padding dummy"
-        input_ids = list(batch.input_ids)
-        if batch.forward_mode == "decode":
-            input_ids = [self.last_sampled[row] if t == FUTURE_TOKEN else t
-                         for row, t in zip(rows, input_ids)]
-        assert min(input_ids) >= 0, "FUTURE_TOKEN outside a decode batch"
+        # FUTURE_TOKEN: the row's token sampled last, only where a row decodes
+        # one token (a decode step, or a running row inside a mixed extend)
+        token_rows = [(row, n) for row, n in zip(rows, counts) for _ in range(n)]
+        input_ids = [self.last_sampled[row] if t == FUTURE_TOKEN and n == 1 else t
+                     for (row, n), t in zip(token_rows, batch.input_ids)]
+        assert min(input_ids) >= 0, "FUTURE_TOKEN outside a one-token row"
         for row, p in zip(rows, prefixes):
             self._check_prefix(row, p)
         for init in batch.penalty_inits:

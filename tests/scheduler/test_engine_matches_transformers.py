@@ -110,6 +110,27 @@ def test_tiny_model_engine_equals_transformers_with_rows_joining_and_leaving(tin
 
 
 @MODES
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_tiny_model_engine_with_mixed_steps_equals_transformers(tiny_llama_dir, overlap, backend):
+    """--enable-mixed-chunk: running rows decode inside the prefill steps (on
+    the native backend through its decode kernel, on torch as extend rows)."""
+    rng = random.Random(1)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, 512) for _ in range(n)]
+
+    arrivals = {0: [("a", prompt(5), 14)], 2: [("b", prompt(40), 6)], 4: [("c", prompt(9), 9)],
+                5: [("d", prompt(70), 5), ("e", prompt(2), 8)], 11: [("f", prompt(33), 4)]}
+    engine = Engine(tiny_llama_dir, max_running_requests=4, max_total_tokens=512, chunked_prefill_size=32,
+                    enable_mixed_chunk=True, attention_backend=backend, disable_overlap_schedule=not overlap)
+    engine.run(arrivals)
+    assert engine.sched.num_mixed_steps >= 3
+    engine.assert_no_leak()
+    partings = check_against_transformers(engine, tiny_llama_dir, arrivals)
+    assert not partings, partings
+
+
+@MODES
 def test_default_model_engine_equals_transformers_with_rows_joining_and_leaving(default_model_dir,
                                                                               overlap):
     from transformers import AutoTokenizer

@@ -34,7 +34,7 @@ def streamed(outputs: list[BatchTokenOut]) -> dict[str, tuple[list[int], dict]]:
 
 
 def random_load(seed: int, overlap: bool, batching: str, aborts: bool = False,
-                radix_cache: bool = True) -> Harness:
+                radix_cache: bool = True, **args) -> Harness:
     """Requests arriving over 40 steps, some streamed, in a pool small enough to
     retract, prefilled in chunks, finishing on stop tokens or on length (and,
     with `aborts`, some aborted at a random step)."""
@@ -43,7 +43,7 @@ def random_load(seed: int, overlap: bool, batching: str, aborts: bool = False,
     h = Harness(max_running=rng.randint(1, 12), max_total_tokens=pool,
                 chunked_prefill_size=rng.choice([-1, 8, 32]), eos_one_in=rng.choice([0, 5, 20]),
                 batching=batching, batch_timeout_ms=0, disable_overlap_schedule=not overlap,
-                disable_radix_cache=not radix_cache)
+                disable_radix_cache=not radix_cache, **args)
     arrivals: dict[int, list] = {}
     for i in range(rng.randint(5, 30)):
         n_prompt = rng.randint(1, 40)
