@@ -59,10 +59,12 @@ def onednn_supports(device: torch.device, dtype: torch.dtype) -> bool:
 use_native = True
 
 
-def native_layers_op(device: torch.device, dtype: torch.dtype):  # -> the module or None
-    """The native layer ops where they run here (bfloat16 on a CPU with AMX
-    or AVX512_BF16, and a compiler); None elsewhere or when switched off."""
-    if not use_native or device.type != "cpu" or dtype != torch.bfloat16:
+def native_layers_op(device: torch.device, dtype: torch.dtype | None = torch.bfloat16):  # -> module or None
+    """The native layer ops where they run here (on a CPU with AMX or
+    AVX512_BF16, and a compiler; for tensors of `dtype`: bfloat16 only, or
+    None for the ops that take float32 logits); None elsewhere or when
+    switched off."""
+    if not use_native or device.type != "cpu" or dtype not in (torch.bfloat16, None):
         return None
     op = native.load(name="layers")
     return op if op is not None and op.supported() else None
@@ -105,6 +107,9 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.gated = gated
         self.out_features = out_features // 2 if gated else out_features
+        # the native kernel's output in float32, not rounded to the weight's
+        # dtype (the LM head: logits are float32 from there on anyway)
+        self.float_out = False
         self.kernel = MatmulKernel.TORCH
         self.packed: torch.Tensor | None = None  # oneDNN's, or the native op's blocks
         self.packed_bias: torch.Tensor | None = None  # the native op's: float32, in block order
@@ -149,7 +154,8 @@ class Linear(nn.Module):
                 x = x.contiguous()
             if add is not None and add.stride(-1) != 1:
                 add = add.contiguous()
-            return self.op.linear(x, self.packed, self.out_features, self.gated, self.packed_bias, add)
+            return self.op.linear(x, self.packed, self.out_features, self.gated, self.packed_bias, add,
+                                  self.float_out)
         if self.kernel is MatmulKernel.ONEDNN:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             if add is not None and not self.gated and x.dtype == torch.float32:
@@ -218,6 +224,7 @@ class ParallelLMHead(Linear):
         self.start, self.end, rows = vocab_range(vocab_size, tp.rank, tp.size)
         super().__init__(hidden_size, rows, bias=False)
         self.tp, self.vocab_size = tp, vocab_size
+        self.float_out = True
 
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         assert add is None, "nothing is added to logits"

@@ -40,6 +40,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -94,12 +95,13 @@ struct Epilogue {
   const at::BFloat16* add;    // [M, n_out] row stride lda; may be null
   int64_t lda;
   bool gated;
+  bool float_out;             // y in float32 (the LM head's logits), not rounded to bfloat16
 };
 
 // One task's float32 tile(s) c [rows, BN] (two for a gated task: gate, up)
 // into y's columns col0.. (at most BN of them, fewer in the last block).
 void finish_tile(const float* c, int64_t rows, int64_t tile_rows, const float* bias, const Epilogue& e,
-                 at::BFloat16* y, int64_t ldy, int64_t row0, int64_t col0, int64_t cols) {
+                 void* y, int64_t ldy, int64_t row0, int64_t col0, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < cols; j += 16) {
       const __mmask16 mask = cols - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (cols - j)) - 1);
@@ -111,7 +113,12 @@ void finish_tile(const float* c, int64_t rows, int64_t tile_rows, const float* b
         v = silu_mul(v, u);
       }
       if (e.add) v = _mm512_add_ps(v, load_bf16(e.add + (row0 + r) * e.lda + col0 + j, mask));
-      store_bf16(y + (row0 + r) * ldy + col0 + j, v, mask);
+      const int64_t at = (row0 + r) * ldy + col0 + j;
+      if (e.float_out) {
+        _mm512_mask_storeu_ps(static_cast<float*>(y) + at, mask, v);
+      } else {
+        store_bf16(static_cast<at::BFloat16*>(y) + at, v, mask);
+      }
     }
   }
 }
@@ -124,7 +131,7 @@ inline int threads_for(int64_t items) {
 
 // y [M, n_out] = epilogue(x [M, K] @ W.T), W packed as above.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, bool gated,
-                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& add) {
+                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& add, bool float_out) {
   TORCH_CHECK(supported(), "the native linear needs AMX or AVX512_BF16 (and a build with them)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bfloat16 only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, K] with contiguous rows");
@@ -136,17 +143,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, bool 
                         "bias must be float32 in the packed block order");
   if (add) TORCH_CHECK(add->scalar_type() == at::kBFloat16 && add->dim() == 2 && add->size(0) == M &&
                        add->size(1) == n_out && add->stride(1) == 1, "add must be [rows, n_out] bfloat16");
-  at::Tensor y = at::empty({M, n_out}, x.options());
+  at::Tensor y = at::empty({M, n_out}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (M == 0 || n_out == 0) return y;
 #ifdef BS_LINEAR
   const int64_t tile = M < 256 ? 64 : 128;
   const int64_t tiles = (M + tile - 1) / tile, units = blocks / per_task, tasks = units * tiles;
   const auto* xp = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const at::BFloat16*>(w.data_ptr());
-  auto* yp = reinterpret_cast<at::BFloat16*>(y.data_ptr());
+  void* yp = y.data_ptr();
   const Epilogue e{bias ? bias->data_ptr<float>() : nullptr,
                    add ? reinterpret_cast<const at::BFloat16*>(add->data_ptr()) : nullptr, add ? add->stride(0) : 0,
-                   gated};
+                   gated, float_out};
   const int64_t ldx = x.stride(0), ldy = y.stride(0);
 #pragma omp parallel num_threads(threads_for(tasks))
   {
@@ -237,15 +244,62 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
 #endif
 }
 
+// Per row of x [rows, V] float32 (logits): the index of its largest value,
+// the first of equal ones, a NaN counting as the largest (torch's argmax
+// semantics). Two passes: the row's max (and whether it holds a NaN), then
+// the first index holding it; the row is in L2 for the second.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(supported(), "the native argmax needs AVX512_BF16");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "x must be [rows, V] float32 with contiguous rows");
+  const int64_t rows = x.size(0), V = x.size(1), ldx = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+#ifdef BS_LINEAR
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+#pragma omp parallel for num_threads(row_threads(rows, V))
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* p = xp + r * ldx;
+    __m512 mx = neg_inf;
+    __mmask16 nan = 0;
+    for (int64_t j = 0; j < V && !nan; j += 16) {
+      const __m512 v = _mm512_mask_loadu_ps(neg_inf, tail_mask(V - j), p + j);
+      nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      mx = _mm512_max_ps(mx, v);
+    }
+    int64_t best = 0;
+    if (nan) {
+      while (!std::isnan(p[best])) ++best;
+    } else {
+      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+      for (int64_t j = 0; j < V; j += 16) {
+        const __mmask16 mask = tail_mask(V - j);
+        const __mmask16 hit = _mm512_mask_cmp_ps_mask(mask, _mm512_maskz_loadu_ps(mask, p + j), m, _CMP_EQ_OQ);
+        if (hit) {
+          best = j + __builtin_ctz(hit);
+          break;
+        }
+      }
+    }
+    op[r] = best;
+  }
+#endif
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("linear", &linear, "y = epilogue(x @ W.T), W in packed blocks (see layers.cpp)", py::arg("x"), py::arg("w"),
-        py::arg("n_out"), py::arg("gated"), py::arg("bias"), py::arg("add"), py::call_guard<py::gil_scoped_release>());
+        py::arg("n_out"), py::arg("gated"), py::arg("bias"), py::arg("add"), py::arg("float_out") = false,
+        py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm without weight, per row, float32 inside", py::arg("x"), py::arg("eps"));
   m.def("rope_", &rope_, "rotary in place (rotate-half layout), float32 inside", py::arg("x"), py::arg("cos"),
         py::arg("sin"));
+  m.def("argmax_rows", &argmax_rows, "per row, the index of the largest value (the first; NaN largest)",
+        py::arg("x"));
   m.def("supported", &supported, "whether this build and CPU can run it (AMX or AVX512_BF16)");
   m.attr("block_columns") = BN;
 }

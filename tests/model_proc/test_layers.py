@@ -164,3 +164,25 @@ def test_without_the_native_op_bfloat16_takes_onednn(monkeypatch, caplog):
             assert lin.kernel is MatmulKernel.ONEDNN
     lines = [r.getMessage() for r in caplog.records if "native layer ops" in r.getMessage()]
     assert len(lines) == 1 and "no C++ compiler" in lines[0]
+
+
+def test_native_lm_head_returns_float32_logits_unrounded(monkeypatch):
+    """The LM head's native kernel writes float32 (ParallelLMHead.float_out):
+    the logits are the float32 sums, not rounded to bfloat16."""
+    from model_proc.layers import ParallelLMHead
+
+    if native_layers_op(CPU, torch.bfloat16) is None:
+        pytest.skip("no native layer ops here")
+    gen = torch.Generator().manual_seed(7)
+    head = ParallelLMHead(576, 1000).to(torch.bfloat16)
+    w = (torch.randn(1000, 576, generator=gen) * 0.05).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(w)
+    head.prepare()
+    assert head.kernel is MatmulKernel.NATIVE
+    x = torch.randn(3, 576, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        out = head(x)
+    ref = x.double() @ w.double().T
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)  # bfloat16 rounding: ~4e-3

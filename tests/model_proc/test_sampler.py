@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from model_proc.sampler import Sampler, SamplingBatch
@@ -137,9 +138,12 @@ def test_token_bitmask_masks_exactly_the_clear_bits_of_the_listed_rows():
         assert torch.equal(out[r], logits[r])  # rows without a grammar are untouched
 
 
-def test_first_argmax_equals_argmax_on_ties_and_nan():
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_first_argmax_equals_argmax_on_ties_and_nan(native, monkeypatch):
+    from model_proc import layers
     from model_proc.sampler import first_argmax
 
+    monkeypatch.setattr(layers, "use_native", native)
     gen = torch.Generator().manual_seed(11)
     for _ in range(20):
         x = torch.randint(0, 4, (16, 4099), generator=gen).float()  # many ties per row
@@ -147,4 +151,7 @@ def test_first_argmax_equals_argmax_on_ties_and_nan():
     x = torch.randn(3, 1000, generator=gen)
     x[1, 7] = x[1, 9] = float("nan")
     x[2] = -float("inf")
+    assert torch.equal(first_argmax(x), x.argmax(dim=-1))
+    x = torch.randn(5, 49152, generator=gen)  # the default model's vocabulary
+    x[4, -1] = 100.0  # in the last vector
     assert torch.equal(first_argmax(x), x.argmax(dim=-1))
