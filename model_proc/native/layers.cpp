@@ -8,12 +8,13 @@
 // Why not oneDNN's packed matmul, which the float32 path keeps: every matmul
 // of the default model (30 layers and the head, interleaved as in a step,
 // with their epilogues), 2 cores, bfloat16, median ms (python -m
-// bench.linear_bench, bench/RESULTS.md, 2026-12-01):
+// bench.linear_bench, bench/RESULTS.md, 2026-12-01, the second run):
 //   rows        1     8    32    64   256   1024
-//   oneDNN    21.1  20.1  25.8  30.3  60.8  239.9
-//   this      14.2  14.3  19.1  23.0  47.4  189.3
+//   oneDNN    17.7  18.5  23.2  26.9  61.8  243.8
+//   this      13.6  13.9  19.1  22.9  46.4  188.0
 // A decode step's matmuls read every weight once; at 1 to 8 rows this loop
-// reads them at ~19 GB/s (the machine's `sum` read 22 GB/s), oneDNN at ~13.
+// reads them at ~19-20 GB/s (the machine's `sum` read 22-24 GB/s), oneDNN at
+// 13-15.
 
 // Layout (packed once, by layers.pack_blocks): W [N, K] becomes blocks of
 // BN = 64 output columns, each the VNNI layout brgemm reads for B:
