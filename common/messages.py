@@ -271,6 +271,7 @@ class ModelInfo(msgspec.Struct):
     dtype: str
     device: str
     kv_cache_bytes: int
+    cpu_threads: int = 0  # the model process's OpenMP threads on a CPU (0 on a GPU)
 
 
 class ReadyMsg(msgspec.Struct, tag=True):

@@ -49,6 +49,7 @@ class ServerArgs:
     random_seed: int = 0
     deterministic: bool = False  # batch-invariant forward (model_proc/batch_invariant.py)
     cpu_allocator: str = "auto"  # the model process's malloc on a CPU (common/cpu_runtime.py)
+    cpu_threads: int | None = None  # the model process's OpenMP threads on a CPU (common/cpu_runtime.py)
     # tensor parallelism (SGLang's meaning): tp_size model ranks in one torch.distributed group,
     # spread evenly over nnodes machines; node_rank 0 also runs the scheduler and the HTTP server
     tp_size: int = 1
@@ -113,6 +114,8 @@ class ServerArgs:
                 self.attention_backend = "torch" if self.deterministic else "native"
         if self.max_request_bytes < 1:
             raise ValueError("--max-request-bytes must be >= 1")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"--cpu-threads must be at least 1, not {self.cpu_threads}")
         if self.cpu_allocator not in ("auto", "tcmalloc", "system"):
             raise ValueError(f"--cpu-allocator must be auto, tcmalloc or system, not {self.cpu_allocator!r}")
         if self.attention_backend not in ("torch", "native", "triton"):
@@ -189,6 +192,9 @@ class ServerArgs:
                             help="the model process's memory allocator on a CPU: auto preloads tcmalloc "
                                  "where it is installed (apt install libtcmalloc-minimal4; CPU steps "
                                  "~5-15%% faster), tcmalloc requires it, system keeps glibc's malloc")
+        parser.add_argument("--cpu-threads", type=int, default=None,
+                            help="OpenMP threads of the model process (of each tensor-parallel rank) on a "
+                                 "CPU; default: the cores it may run on (divided among a node's ranks)")
         parser.add_argument("--random-seed", type=int, default=d["random_seed"].default)
         parser.add_argument("--deterministic", action="store_true",
                             help="batch-invariant forward: a request's logits are the same bits "

@@ -19,6 +19,7 @@ import msgspec
 import torch
 import zmq
 
+from common.cpu_runtime import model_threads
 from common.ipc import PullSocket, PushSocket
 from common.messages import ForwardBatch, ReadyMsg
 from common.peer_watch import PeerWatch, exit_when_lost
@@ -56,9 +57,10 @@ def main() -> None:
     exit_when_lost(PeerWatch(cfg.ipc, name), logger)  # also while the weights load
     try:
         device = rank_device(sa, rank)
-        if sa.tp_size > 1 and device.type == "cpu":
-            # the node's ranks share its cores: one OpenMP pool per rank, not one per core each
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // sa.tp_ranks_per_node))
+        threads = model_threads(sa.cpu_threads, sa.tp_ranks_per_node) if device.type == "cpu" else None
+        if threads is not None:
+            # a node's ranks share its cores: one OpenMP pool per rank, not one per core each
+            torch.set_num_threads(threads)
         tp = init_tensor_parallel(rank, sa.tp_size, sa.dist_init_addr, device)
         try:
             runner = ModelRunner(sa, tp)

@@ -94,6 +94,7 @@ class ModelRunner:
             dtype=dtype_name(self.dtype),
             device=sa.device,
             kv_cache_bytes=self.kv_pool.nbytes,
+            cpu_threads=torch.get_num_threads() if self.device.type == "cpu" else 0,
         )
 
     @torch.inference_mode()

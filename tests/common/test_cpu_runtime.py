@@ -40,3 +40,20 @@ def test_a_process_started_with_the_preload_runs_on_tcmalloc() -> None:
         env = with_preload({"PATH": "/usr/bin:/bin", "PYTHONPATH": "."}, allocator_preload(allocator, "cpu"))
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == expected
+
+
+def test_model_threads_take_the_flag_else_share_the_cores_between_ranks() -> None:
+    from common.cpu_runtime import model_threads
+
+    assert model_threads(3, ranks_per_node=1, cores=8) == 3
+    assert model_threads(3, ranks_per_node=4, cores=8) == 3
+    assert model_threads(None, ranks_per_node=1, cores=8) is None  # torch's default: one per physical core
+    assert model_threads(None, ranks_per_node=3, cores=8) == 2
+    assert model_threads(None, ranks_per_node=3, cores=2) == 1
+
+
+def test_cpu_threads_below_one_is_refused() -> None:
+    from common.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="--cpu-threads"):
+        ServerArgs(model_path="fake", cpu_threads=0)

@@ -32,3 +32,17 @@ def test_the_model_process_runs_on_the_allocator_asked_for(tiny_llama_dir, defau
         assert mapped_allocator(child_pid(srv, "tokenizer_proc")) == "system"
     finally:
         assert srv.stop() == 0
+
+
+def test_cpu_threads_sets_the_model_process_thread_count(tiny_llama_dir, default_model_dir) -> None:
+    """--cpu-threads 1: the model process runs one OpenMP thread (its
+    /get_model_info says so) and still answers."""
+    srv = ServerProcess("--model-path", tiny_llama_dir, "--tokenizer-path", default_model_dir,
+                        "--cpu-threads", "1")
+    try:
+        assert requests.get(f"{srv.url}/get_model_info", timeout=30).json()["cpu_threads"] == 1
+        out = requests.post(f"{srv.url}/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+            "max_new_tokens": 4, "temperature": 0}}, timeout=60)
+        assert out.status_code == 200, out.text
+    finally:
+        assert srv.stop() == 0
