@@ -300,8 +300,8 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
 
 
 class NativeAttnBackend(TorchAttnBackend):
-    """The C++ op of model_proc/native/ (CPU): decode (and, with
-    native_extend, extend) reads K/V in place through kv_indices, with no
+    """The C++ op of model_proc/native/ (CPU): decode (and extend, see
+    native_extend) reads K/V in place through kv_indices, with no
     gather into a padded buffer and no per-row Python loop; the query heads
     of a KV head go together (GQA); the KV store is fused into the op.
 
@@ -313,16 +313,17 @@ class NativeAttnBackend(TorchAttnBackend):
     253 ms per step, bench/attention_bench.py).
     """
 
-    # Extend steps take the torch path unless this is set. The op's
-    # bfloat16 extend (every key block packed once per call, both products
-    # on the matrix units through brgemm, base-2 online softmax) beats the
-    # torch path per layer in isolation, SmolLM2 shapes, 2 threads, best of
-    # 15: 256 new after 7936 cached 7.4 vs 8.0 ms, 1024 new 2.2 vs 2.9 ms;
-    # but in the whole forward it measured even (python -m
-    # bench.prefill_bench, bench/RESULTS.md: 0.341 vs 0.340 s after 7936
-    # cached), so the default stays with the torch path. Its float32 extend
-    # (SIMD dot products) is slower (1024 new 10.4 vs 6.6 ms).
-    native_extend = False
+    # Which path extend steps take: the op's (True), the torch path's
+    # (False), or None (the default): the op's where its products run on the
+    # matrix units (bfloat16 with AMX or AVX512_BF16, head_dim a multiple of
+    # 32), torch's elsewhere. The op's bfloat16 extend (every key block
+    # packed once per call, both products through brgemm, base-2 online
+    # softmax, rescaled lazily) measured in the whole forward (python -m
+    # bench.prefill_bench, bench/RESULTS.md, 2026-12-01, one run): 256 new
+    # tokens after 1024 / 4096 / 7936 cached 0.107 / 0.205 / 0.318 s against
+    # the torch path's 0.117 / 0.223 / 0.357, even at 0 cached. Its float32
+    # extend (SIMD dot products) is slower (1024 new 10.4 vs 6.6 ms a layer).
+    native_extend: bool | None = None
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float) -> None:
         super().__init__(kv_pool, req_to_token, scale)
@@ -338,6 +339,8 @@ class NativeAttnBackend(TorchAttnBackend):
         elif k_buf.device.type != "cpu":
             logger.warning("native attention op runs on CPU only: using the torch attention path on %s",
                            k_buf.device)
+        if self.native_extend is None:  # the class default: decided here, per pool
+            self.native_extend = self.op is not None and self.op.extend_on_matrix_units(dtype, head_dim)
         if self.op is not None:
             # the pool's pages are untouched until their slots are written
             # (KVPool allocates with torch.empty), so they come in as huge pages

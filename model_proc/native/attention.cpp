@@ -495,6 +495,10 @@ void extend_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, 
 constexpr int kTileQB = 64;  // new tokens per work item
 constexpr int kKeyBlockB = 256;
 constexpr float kLog2e = 1.44269504088896341f;
+// A block's weights are taken against the running max when its own max is at
+// most this much above it (base 2): weights up to 2^8, far inside float32 and
+// bfloat16's range, and no rescale of acc for that block.
+constexpr float kLazyRescale = 8.0f;
 
 // K rows t of a block (slots[t], KV head h) -> [D/2][BK] uint32 pairs; a
 // short block repeats its first key (masked by the caller) so every lane
@@ -620,6 +624,28 @@ void extend_brgemm(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf
             V16 vmax = V16::bcast(kNegInf);
             const V16 vc = V16::bcast(c);
             V16 vsum = V16::zero();
+            if (m[mi] != kNegInf) {
+              // one pass against the running max (lazy rescale): kept unless
+              // this block's max exceeds it by more than kLazyRescale (then
+              // P's largest weights could pass 2^kLazyRescale: redone below)
+              const V16 neg_m = V16::bcast(-m[mi]);
+              for (int t = 0; t < BK; t += 16) {
+                V16 e = V16::zero();
+                if (t < nv) {
+                  const V16 sv = V16::load(srow + t);
+                  vmax = V16::max(vmax, nv - t >= 16 ? sv : sv.fill_from(nv - t, kNegInf));
+                  e = V16::fma(sv, vc, neg_m).exp2_coarse().fill_from(nv - t, 0.0f);
+                }
+                vsum = vsum + e;
+                store_bf16x16(prow + t, e);
+              }
+              if (vmax.max() * c - m[mi] <= kLazyRescale) {
+                l[mi] += vsum.sum();
+                continue;
+              }
+              vmax = V16::bcast(kNegInf);
+              vsum = V16::zero();
+            }
             float mn;
             if (nv == BK) {  // the whole block visible: no lane masks
               for (int t = 0; t < BK; t += 16) vmax = V16::max(vmax, V16::load(srow + t));
