@@ -503,9 +503,53 @@ constexpr float kLazyRescale = 8.0f;
 // K rows t of a block (slots[t], KV head h) -> [D/2][BK] uint32 pairs; a
 // short block repeats its first key (masked by the caller) so every lane
 // the product reads is finite.
+#ifdef BS_AVX512
+// r[i] = column i of the 16 x 16 matrix of 32-bit lanes whose rows are r[0..16)
+inline void transpose16x16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4a + b] now holds, per 128-bit lane L, rows 4L..4L+3 of column 4 * (lane
+  // group) + b: gather the lanes across registers
+  for (int i = 0; i < 4; ++i) {
+    const __m512i a = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88), b = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    const __m512i c = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88), d = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    t[i] = _mm512_shuffle_i32x4(a, c, 0x88);
+    t[i + 8] = _mm512_shuffle_i32x4(a, c, 0xdd);
+    t[i + 4] = _mm512_shuffle_i32x4(b, d, 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(b, d, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+#endif
+
 template <int D, int BK>
 inline void pack_k_block(const uint32_t* k32, const int64_t* slots, int nb, int64_t slot_stride, int64_t h,
                          uint32_t* dst) {
+#ifdef BS_AVX512
+  if constexpr ((D / 2) % 16 == 0 && BK % 16 == 0) {
+    // 16 keys x 16 bfloat16 pairs at a time, transposed in registers
+    for (int t0 = 0; t0 < BK; t0 += 16) {
+      const uint32_t* src[16];
+      for (int i = 0; i < 16; ++i) src[i] = k32 + (slots[t0 + i < nb ? t0 + i : 0] * slot_stride + h * D) / 2;
+      for (int c = 0; c < D / 2; c += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src[i] + c);
+        transpose16x16(r);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (c + i) * BK + t0, r[i]);
+      }
+    }
+    return;
+  }
+#endif
   for (int t = 0; t < BK; ++t) {
     const uint32_t* src = k32 + (slots[t < nb ? t : 0] * slot_stride + h * D) / 2;
     for (int d2 = 0; d2 < D / 2; ++d2) dst[d2 * BK + t] = src[d2];
