@@ -358,7 +358,7 @@ class NativeAttnBackend(TorchAttnBackend):
         bs, decoding = len(batch.seq_lens), 0
         while decoding < bs and batch.seq_lens[bs - 1 - decoding] - batch.prefix_lens[bs - 1 - decoding] == 1:
             decoding += 1
-        if decoding == 0 or self.native_extend:
+        if decoding == 0:
             return super().init_forward_metadata(batch, out_cache_loc)
         first = bs - decoding
         new_tokens = len(batch.input_ids) - decoding

@@ -197,12 +197,14 @@ def test_model_greedy_output_with_native_backend_equals_torch_backend(tiny_llama
 @needs_op
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("extend_rows", [2, 0])
-def test_mixed_step_decodes_its_one_token_rows_with_the_op(dtype: torch.dtype, extend_rows: int) -> None:
+@pytest.mark.parametrize("native_extend", [False, True], ids=["torch-extend", "op-extend"])
+def test_mixed_step_decodes_its_one_token_rows_with_the_op(dtype: torch.dtype, extend_rows: int,
+                                                           native_extend: bool) -> None:
     """A mixed step (--enable-mixed-chunk): extend rows, then running rows of
-    one new token each; those take the decode kernel (extend stays on the
-    torch path, the backend's default), and the whole equals torch's extend."""
+    one new token each; those take the decode kernel whichever path the
+    extend rows take, and the whole equals torch's extend."""
     ours, ref, gen = make_pair(dtype, 3, 64, seed=40 + extend_rows)
-    ours.native_extend = False
+    ours.native_extend = native_extend
     rows = [3, 1, 5, 2, 4][-(extend_rows + 3):]
     prefix_lens = [0, 260, 6, 199, 1499][-(extend_rows + 3):]
     seq_lens = [96, 300, 7, 200, 1500][-(extend_rows + 3):]
