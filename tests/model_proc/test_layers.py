@@ -15,6 +15,10 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=5e-2
 
 
 KERNELS = [MatmulKernel.NATIVE, MatmulKernel.ONEDNN, MatmulKernel.TORCH]
+# the native matmul is bfloat16 only: no float32 case to run
+KERNEL_DTYPES = [(k, d) for k in KERNELS for d in (torch.float32, torch.bfloat16)
+                 if not (k is MatmulKernel.NATIVE and d == torch.float32)]
+NEEDS_NATIVE = "needs AVX512_BF16 or AMX and a C++ compiler (model_proc/native/layers.cpp)"
 
 
 def kernel_runs_here(kernel: MatmulKernel, dtype: torch.dtype) -> bool:
@@ -27,7 +31,8 @@ def make_linear(dtype: torch.dtype, gen: torch.Generator, bias: bool, kernel: Ma
                 monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int] = (80, 48),
                 ) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
     if not kernel_runs_here(kernel, dtype):
-        pytest.skip(f"no {kernel.value} matmul for {dtype} here")
+        pytest.skip(f"no {kernel.value} matmul for {dtype} on this CPU: "
+                    + (NEEDS_NATIVE if kernel is MatmulKernel.NATIVE else "needs oneDNN with bfloat16"))
     monkeypatch.setattr(layers, "use_native", kernel is MatmulKernel.NATIVE)
     monkeypatch.setattr(Linear, "use_onednn", kernel is MatmulKernel.ONEDNN)
     out, k = shape
@@ -43,8 +48,7 @@ def make_linear(dtype: torch.dtype, gen: torch.Generator, bias: bool, kernel: Ma
     return lin, w, b
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.value)
+@pytest.mark.parametrize("kernel,dtype", KERNEL_DTYPES, ids=lambda x: getattr(x, "value", str(x)))
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_linear_and_its_epilogues_equal_plain_torch(dtype, kernel, bias, gated, monkeypatch):
@@ -128,7 +132,7 @@ def test_rms_norm_of_bfloat16_accumulates_in_float32(monkeypatch):
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_native_rope_equals_float32_rotary_rounded_once(head_dim):
     if native_layers_op(CPU, torch.bfloat16) is None:
-        pytest.skip("no native layer ops here")
+        pytest.skip(NEEDS_NATIVE)
     gen = torch.Generator().manual_seed(6)
     half, heads = head_dim // 2, 12
     x = torch.randn(5, heads, head_dim, generator=gen)
@@ -153,7 +157,7 @@ def test_without_the_native_op_bfloat16_takes_onednn(monkeypatch, caplog):
     from model_proc import native
 
     if not onednn_supports(CPU, torch.bfloat16):
-        pytest.skip("no oneDNN bfloat16 here")
+        pytest.skip("needs oneDNN with bfloat16 (AVX512_BF16 or AMX)")
     monkeypatch.setattr(native, "_modules", {})
     monkeypatch.setattr(native, "_failures", {})
     monkeypatch.setenv("CXX", "no-such-compiler-xyz")
@@ -172,7 +176,7 @@ def test_native_lm_head_returns_float32_logits_unrounded(monkeypatch):
     from model_proc.layers import ParallelLMHead
 
     if native_layers_op(CPU, torch.bfloat16) is None:
-        pytest.skip("no native layer ops here")
+        pytest.skip(NEEDS_NATIVE)
     gen = torch.Generator().manual_seed(7)
     head = ParallelLMHead(576, 1000).to(torch.bfloat16)
     w = (torch.randn(1000, 576, generator=gen) * 0.05).to(torch.bfloat16)

@@ -9,9 +9,8 @@ import pytest
 
 from common.messages import FUTURE_TOKEN
 from common.server_args import ServerArgs
-from tests.scheduler.fake_model import penalized_expected
 from tests.scheduler.test_overlap_schedule import random_load, streamed
-from tests.scheduler.test_penalty_scheduling import prompt, submit
+from tests.scheduler.test_penalty_scheduling import prompt, run_penalty_load
 from tests.scheduler.test_scheduler import Harness, expected_tokens
 
 
@@ -63,23 +62,10 @@ def test_running_rows_decode_inside_the_prefill_and_never_wait_for_it(overlap):
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
 def test_penalized_rows_keep_their_history_through_mixed_steps(overlap):
-    # as test_penalty_scheduling's: chunks, retractions, shared prompts; here
-    # the running rows also decode inside every prefill
-    h = Harness(max_running=8, max_total_tokens=200, chunked_prefill_size=16, enable_mixed_chunk=True,
-                disable_overlap_schedule=not overlap)
-    rids = [f"{'p' if i % 2 == 0 else 'q'}{'x' * (i % 3)}{i}" for i in range(8)]
-    for i, rid in enumerate(rids):
-        if rid.startswith("p"):
-            submit(h, rid, 10 + 5 * i, 30, frequency_penalty=0.5)
-        else:
-            submit(h, rid, 10 + 5 * i, 30)
-    h.run_until_idle()
+    # test_penalty_scheduling's load (chunks, retractions, shared prompts);
+    # here the running rows also decode inside every prefill
+    h = run_penalty_load(overlap, enable_mixed_chunk=True)
     assert mixed_steps(h) > 0
-    for i, rid in enumerate(rids):
-        last = prompt(rid, 10 + 5 * i)[-1]
-        want = penalized_expected(last, 30) if rid.startswith("p") else expected_tokens(last, 30)
-        assert h.tokens(rid) == want, rid
-    h.assert_no_leak()
 
 
 def test_mixed_chunk_needs_continuous_batching():

@@ -22,28 +22,36 @@ def submit(h: Harness, rid: str, n_prompt: int, max_new: int, **penalties) -> No
                                                          sampling_params=sp)])
 
 
-@MODES
-def test_penalized_rows_keep_their_token_history_through_chunks_retraction_and_overlap(overlap):
-    # 8 requests of 10-40 prompt tokens + 30 in a pool of 200, chunks of 16:
-    # admission overcommits, rows get retracted and recomputed; same-length
-    # rids share a prompt, so re-admitted and later requests start from cached KV
+PENALTY_RIDS = [f"{'p' if i % 2 == 0 else 'q'}{'x' * (i % 3)}{i}" for i in range(8)]
+
+
+def run_penalty_load(overlap: bool, **args) -> Harness:
+    """8 requests of 10-40 prompt tokens + 30 in a pool of 200, chunks of 16:
+    admission overcommits, rows get retracted and recomputed; same-length
+    rids share a prompt, so re-admitted and later requests start from cached
+    KV. The "p" requests are penalized. Every request's tokens are checked."""
     h = Harness(max_running=8, max_total_tokens=200, chunked_prefill_size=16,
-                disable_overlap_schedule=not overlap)
-    rids = [f"{'p' if i % 2 == 0 else 'q'}{'x' * (i % 3)}{i}" for i in range(8)]
-    for i, rid in enumerate(rids):
+                disable_overlap_schedule=not overlap, **args)
+    for i, rid in enumerate(PENALTY_RIDS):
         if rid.startswith("p"):
             submit(h, rid, 10 + 5 * i, 30, frequency_penalty=0.5)
         else:
             submit(h, rid, 10 + 5 * i, 30)
-    reqs = dict(h.sched.reqs_by_rid)
+    h.reqs = dict(h.sched.reqs_by_rid)
     h.run_until_idle()
-    assert h.sched.total_retractions >= 1
-    assert any(reqs[r].num_retractions for r in rids if r.startswith("p"))
-    for i, rid in enumerate(rids):
+    for i, rid in enumerate(PENALTY_RIDS):
         last = prompt(rid, 10 + 5 * i)[-1]
         want = penalized_expected(last, 30) if rid.startswith("p") else expected_tokens(last, 30)
         assert h.tokens(rid) == want, rid
     h.assert_no_leak()
+    return h
+
+
+@MODES
+def test_penalized_rows_keep_their_token_history_through_chunks_retraction_and_overlap(overlap):
+    h = run_penalty_load(overlap)
+    assert h.sched.total_retractions >= 1
+    assert any(h.reqs[r].num_retractions for r in PENALTY_RIDS if r.startswith("p"))
 
 
 @MODES
