@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 import zmq
 
-from common.cpu_runtime import CpuAllocator, allocator_preload, with_preload
+from common.cpu_runtime import CpuAllocator, allocator_preload, with_omp_spin, with_preload
 from common.ipc import PullSocket
 from common.messages import IpcPaths, ModelInfo, ReadyMsg
 from common.peer_watch import remove_pids, write_pids, write_stop_reason
@@ -81,8 +81,8 @@ class Launcher:
     def spawn(self, name: str, module: str, model_info: ModelInfo | None, tp_rank: int = 0) -> None:
         cfg = ChildConfig(server_args=self.args, ipc=self.ipc, model_info=model_info, tp_rank=tp_rank)
         env = child_env(cfg)
-        if module == "model_proc":  # its allocator must be in place before it starts
-            env = with_preload(env, self.model_preload)
+        if module == "model_proc":  # its allocator and OpenMP settings must be in place before it starts
+            env = with_omp_spin(with_preload(env, self.model_preload), self.args.device)
         self.children[name] = subprocess.Popen([sys.executable, "-m", module],
                                                env=env, cwd=ROOT, process_group=0)
 

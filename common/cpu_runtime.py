@@ -15,6 +15,17 @@ and gained nothing here (within 2%), so neither is set.
 The allocator must be in place before the process starts (LD_PRELOAD): the
 launcher adds it to the model process's environment only.
 
+Idle OpenMP threads (`GOMP_SPINCOUNT`): between two parallel regions
+libgomp's threads spin 300,000 iterations before they sleep, milliseconds
+on this CPU. Every layer's ops are such regions, so when another process
+takes one of the model's cores for a moment (the front end reading a 4 MiB
+body), the thread on the other core spins until its partner is back and
+the step stalls for the whole burst. The model process spins 10,000
+iterations instead (unless GOMP_SPINCOUNT or OMP_WAIT_POLICY is set):
+measured (bench/RESULTS.md) the same quiet steps, and the step that meets
+a burst of 10 such posts 150-310 -> 90-105 ms. Sleeping at once
+(OMP_WAIT_POLICY=passive) costs every quiet step ~60%.
+
 Threads (`--cpu-threads`): by default torch's, one per physical core; with
 several tensor-parallel ranks on a node, the cores the process may run on
 (its affinity mask) divided among them. Fewer leave cores to the tokenizer
@@ -66,6 +77,17 @@ def allocator_preload(allocator: CpuAllocator, device: str, tcmalloc: str | None
         logger.info("tcmalloc not found: the model process uses the system's malloc "
                     "(apt install libtcmalloc-minimal4 makes CPU steps ~5-15% faster)")
     return library
+
+
+OMP_SPIN_COUNT = 10_000  # libgomp's idle spin before sleeping (its default: 300,000)
+
+
+def with_omp_spin(env: dict[str, str], device: str) -> dict[str, str]:
+    """`env` with the model process's short OpenMP spin on a CPU device,
+    unless the user chose a wait policy or a spin count."""
+    if not device.startswith("cpu") or "GOMP_SPINCOUNT" in env or "OMP_WAIT_POLICY" in env:
+        return env
+    return {**env, "GOMP_SPINCOUNT": str(OMP_SPIN_COUNT)}
 
 
 def with_preload(env: dict[str, str], library: str | None) -> dict[str, str]:

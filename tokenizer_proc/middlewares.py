@@ -81,13 +81,27 @@ async def expect_handler(request: web.Request) -> web.StreamResponse | None:
     return None
 
 
-async def read_body(request: web.Request) -> bytes:
+async def read_body(request: web.Request) -> bytearray:
     """The body, read with a cap: aiohttp's own limit reads up to the limit
-    first, this stops at the first byte too many."""
+    first, this stops at the first byte too many. A declared length (already
+    checked against the cap) is read into one buffer of that size: a 4 MiB
+    body costs the event loop no regrowth and no final copy (JSON decodes
+    from the buffer)."""
     limit = request.app[MAX_BODY]
+    declared = request.content_length
+    if declared is not None:
+        buf, n = bytearray(declared), 0
+        with memoryview(buf) as view:
+            async for chunk in request.content.iter_any():
+                if n + len(chunk) > declared:  # aiohttp's parser stops at the length; never trust it twice
+                    raise PayloadTooLargeError("the request body is longer than its Content-Length")
+                view[n:n + len(chunk)] = chunk
+                n += len(chunk)
+        del buf[n:]  # a body cut short keeps what arrived; its JSON will not parse
+        return buf
     buf = bytearray()
     async for chunk in request.content.iter_any():
         buf += chunk
         if len(buf) > limit:
             raise PayloadTooLargeError(f"the request body is larger than the limit ({limit} bytes)")
-    return bytes(buf)
+    return buf

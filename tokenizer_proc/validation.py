@@ -12,7 +12,7 @@ from tokenizer_proc.errors import BadRequestError
 from tokenizer_proc.stop_strings import compile_stop_regex
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
+def parse_json_object(raw: bytes | bytearray) -> dict[str, Any]:
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as e:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from common import cpu_runtime
-from common.cpu_runtime import CpuAllocator, allocator_preload, with_preload
+from common.cpu_runtime import OMP_SPIN_COUNT, CpuAllocator, allocator_preload, with_omp_spin, with_preload
 
 
 def test_auto_preloads_tcmalloc_first_and_keeps_other_preloads() -> None:
@@ -29,6 +29,23 @@ def test_without_tcmalloc_auto_falls_back_and_tcmalloc_is_an_error(monkeypatch: 
     assert allocator_preload(CpuAllocator.AUTO, "cpu") is None
     with pytest.raises(RuntimeError, match="libtcmalloc-minimal4"):
         allocator_preload(CpuAllocator.TCMALLOC, "cpu")
+
+
+def test_the_model_spins_briefly_on_a_cpu_unless_the_user_chose_a_wait() -> None:
+    assert with_omp_spin({"A": "1"}, "cpu") == {"A": "1", "GOMP_SPINCOUNT": str(OMP_SPIN_COUNT)}
+    assert with_omp_spin({"GOMP_SPINCOUNT": "300000"}, "cpu") == {"GOMP_SPINCOUNT": "300000"}
+    assert with_omp_spin({"OMP_WAIT_POLICY": "active"}, "cpu") == {"OMP_WAIT_POLICY": "active"}
+    assert with_omp_spin({}, "cuda") == {}
+
+
+def test_a_process_started_with_the_spin_count_has_libgomp_read_it() -> None:
+    """libgomp reads GOMP_SPINCOUNT when it loads: the value reaches the
+    process's OpenMP runtime (OMP_DISPLAY_ENV prints what it took)."""
+    env = with_omp_spin({"PATH": "/usr/bin:/bin", "OMP_DISPLAY_ENV": "verbose"}, "cpu")
+    out = subprocess.run([sys.executable, "-c", "import torch; torch.ones(64, 64).sum()"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"GOMP_SPINCOUNT = '{OMP_SPIN_COUNT}'" in out.stderr, out.stderr
 
 
 def test_a_process_started_with_the_preload_runs_on_tcmalloc() -> None:

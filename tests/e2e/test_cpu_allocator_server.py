@@ -1,14 +1,23 @@
 """--cpu-allocator: the model process starts with tcmalloc preloaded where it
-is installed (auto, the default), the other processes and `system` without."""
+is installed (auto, the default), the other processes and `system` without;
+and with libgomp's short idle spin (common/cpu_runtime.py)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import requests
 
-from common.cpu_runtime import find_tcmalloc
+from common.cpu_runtime import find_tcmalloc, with_omp_spin
 from tests.e2e.server_process import ServerProcess
 from tests.reliability.server_probe import child_pid
+
+
+def environment(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [entry.decode().partition("=") for entry in f.read().split(b"\0") if entry]
+    return {k: v for k, _, v in pairs}
 
 
 def mapped_allocator(pid: int) -> str:
@@ -30,6 +39,9 @@ def test_the_model_process_runs_on_the_allocator_asked_for(tiny_llama_dir, defau
         assert mapped_allocator(child_pid(srv, "model_proc")) == model_expected
         assert mapped_allocator(child_pid(srv, "scheduler_proc")) == "system"
         assert mapped_allocator(child_pid(srv, "tokenizer_proc")) == "system"
+        # the spin count the launcher chose (or the one this test's environment set)
+        expected = with_omp_spin(dict(os.environ), "cpu").get("GOMP_SPINCOUNT")
+        assert environment(child_pid(srv, "model_proc")).get("GOMP_SPINCOUNT") == expected
     finally:
         assert srv.stop() == 0
 
