@@ -101,6 +101,7 @@ struct V16 {
   }
 };
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 // every cache line of one head's row (D elements)
 template <typename T, int D> inline void prefetch_row(const T* p) {
   for (int i = 0; i < static_cast<int>(D * sizeof(T)); i += 64) prefetch(reinterpret_cast<const char*>(p) + i);
@@ -127,6 +128,7 @@ struct V16 {
   V16 exp2_coarse() const { return exp2(); }
 };
 inline void prefetch(const void* p) { __builtin_prefetch(p); }
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 template <typename T, int D> inline void prefetch_row(const T* p) {
   for (int i = 0; i < static_cast<int>(D * sizeof(T)); i += 64) prefetch(reinterpret_cast<const char*>(p) + i);
 }
@@ -242,6 +244,23 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
     const char* vr = reinterpret_cast<const char*>(v_buf + slot * slot_stride);
     for (int i = 0; i < row_bytes; i += 64) { prefetch(kr + i); prefetch(vr + i); }
   };
+  // The next block's lines, into L2 (T1), a few at a time between this
+  // block's pieces of work. Scattered rows leave the time to how many misses
+  // are in flight: into L1 (T0) each waits for one of the core's few fill
+  // buffers, and all at once they queue ahead of this block's arithmetic.
+  // Measured (bench/RESULTS.md, 64 x 2048): T0 all at once 1.9-2.1x the
+  // bandwidth floor, T0 spread 1.9-2.0x, T1 spread 1.6x, T1 all at once 1.8x,
+  // T1 two blocks ahead no better, NTA 3.7x.
+  int64_t pf_t = 0, pf_end = 0;
+  int pf_line = 0;
+  auto prefetch_some = [&](int lines) {
+    for (; lines > 0 && pf_t < pf_end; --lines) {
+      const int64_t off = slots[pf_t] * slot_stride * static_cast<int64_t>(sizeof(T)) + pf_line;
+      prefetch_l2(reinterpret_cast<const char*>(k_buf) + off);
+      prefetch_l2(reinterpret_cast<const char*>(v_buf) + off);
+      if ((pf_line += 64) >= row_bytes) { pf_line = 0; ++pf_t; }
+    }
+  };
   for (int i = 0; i < nq; ++i) { m[i] = kNegInf; l[i] = 0.0f; }
   std::fill(acc, acc + nq * D, 0.0f);
   // per query head: the block's scores, then its probabilities, and alpha
@@ -249,7 +268,7 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
   float (*p)[kDecodeBlock] = s + nq;
   float* alpha = scratch + 2 * nq * kDecodeBlock;
   alignas(64) float vb[kDecodeBlock * D];
-  for (int64_t t = k0; t < std::min(k1, k0 + kDecodeBlock); ++t) prefetch_slot(slots[t]);
+  for (int64_t t = k0; t < std::min(k1, k0 + kDecodeBlock); ++t) prefetch_slot(slots[t]);  // the first block, now
   for (int64_t t0 = k0; t0 < k1; t0 += kDecodeBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kDecodeBlock, k1 - t0));
     // the block's slot rows (a short last block repeats its first row; those
@@ -259,18 +278,26 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
     for (int t = 0; t < kDecodeBlock; ++t) {
       krow[t] = k_buf + slots[t0 + (t < n ? t : 0)] * slot_stride;
       vrow0[t] = v_buf + slots[t0 + (t < n ? t : 0)] * slot_stride;
-      if (t0 + kDecodeBlock + t < k1) prefetch_slot(slots[t0 + kDecodeBlock + t]);
     }
+    pf_t = std::min(k1, t0 + kDecodeBlock);
+    pf_end = std::min(k1, t0 + 2 * kDecodeBlock);
+    pf_line = 0;
+    // lines of the next block per piece of this one: its slot rows' lines
+    // spread over the pieces (scores, softmax, V rows, P x V per head)
+    const int per_piece = (static_cast<int>(pf_end - pf_t) * row_bytes / 64 + heads * (4 * group + n) - 1) /
+                          (heads * (4 * group + n));
     for (int h = 0; h < heads; ++h) {
       const T* kh[kDecodeBlock];
       for (int t = 0; t < kDecodeBlock; ++t) kh[t] = krow[t] + h * D;
       for (int t = 0; t < n; t += 16)
         for (int g = 0; g < group; ++g) {
           const int i = h * group + g;
+          prefetch_some(per_piece);
           scores16<T, D>(q + i * D, qraw + i * D, scale, kh + t, &s[i][t]);
         }
       for (int g = 0; g < group; ++g) {
         const int i = h * group + g;
+        prefetch_some(per_piece);
         float bm = V16::load(&s[i][0]).fill_from(n, kNegInf).max();
         for (int t = 16; t < n; t += 16) bm = std::max(bm, V16::load(&s[i][t]).fill_from(n - t, kNegInf).max());
         const float mn = std::max(m[i], bm);
@@ -289,6 +316,7 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
       const float* vrow[kDecodeBlock];
       for (int t = 0; t < n; ++t) {
         const T* vr = vrow0[t] + h * D;
+        prefetch_some(per_piece);
         if constexpr (std::is_same_v<T, float>) {
           vrow[t] = vr;
         } else {
@@ -298,6 +326,7 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
       }
       for (int g = 0; g < group; ++g) {
         const int i = h * group + g;
+        prefetch_some(per_piece);
         float* a = acc + i * D;
         V16 av[C];
         const V16 al = V16::bcast(alpha[i]);
@@ -309,6 +338,7 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
         for (int c = 0; c < C; ++c) av[c].store(a + 16 * c);
       }
     }
+    prefetch_some(std::numeric_limits<int>::max());
   }
 }
 
