@@ -320,6 +320,7 @@ class Scheduler:
                 # only prefills that make running rows wait count towards the bound
                 if self.running_batch is not None and not self.mix_running_into(new_batch):
                     self.num_consecutive_prefill += 1
+                self.cache_prefill(new_batch)
                 return new_batch
         self.num_consecutive_prefill = 0
         if self.running_batch is None:
@@ -327,6 +328,20 @@ class Scheduler:
                 self.new_token_ratio = self.init_new_token_ratio  # idle: reset
             return None
         return self.update_running_batch()
+
+    def cache_prefill(self, batch: ScheduleBatch) -> None:
+        """What the prefill rows compute goes into the prefix cache now, as the
+        step is sent, not when its result is read: a later step that reads
+        these slots runs after this one (the model runs steps in order), and a
+        request arriving meanwhile, or in the next chunk's batch, shares it
+        (SGLang inserts after the result; with the overlap schedule that is a
+        step too late for the next batch). Only once the step's every slot is
+        allocated (a mixed step's running rows too): the tree may already hold
+        some of these tokens, and the request's own copies are then freed;
+        freed before, a running row of this same step could be handed one and
+        write its token's K/V where this step also writes the prompt's."""
+        for r in batch.reqs[:batch.decode_from]:
+            self.cache.cache_unfinished(r, r.kv_len)
 
     def mix_running_into(self, batch: ScheduleBatch) -> bool:
         """--enable-mixed-chunk: the running rows take their decode step inside
@@ -438,14 +453,6 @@ class Scheduler:
                                   or r.seq_len - r.kv_len, cached_tokens=hit)
         batch = ScheduleBatch.init_new(reqs)
         batch.prepare_for_extend(self.cache)
-        for r in reqs:
-            # What this prefill computes goes into the prefix cache now, as it is
-            # sent, not when its result is read: a later step that reads these
-            # slots runs after this one (the model runs steps in order), and a
-            # request arriving meanwhile, or in the next chunk's batch, shares it
-            # (SGLang inserts after the result; with the overlap schedule that
-            # is a step too late for the next batch).
-            self.cache.cache_unfinished(r, r.kv_len)
         logger.info(
             "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
             "#running-req: %d, #queue-req: %d",

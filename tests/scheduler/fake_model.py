@@ -98,6 +98,8 @@ class FakeModel:
             prefixes = [s - 1 for s in batch.seq_lens]
         assert sum(counts) == len(batch.out_cache_loc) == len(batch.input_ids)
         assert 0 not in batch.out_cache_loc, "slot 0 is the padding dummy"
+        # each token of a step its own slot: two in one slot and one token's KV is lost
+        assert len(set(batch.out_cache_loc)) == len(batch.out_cache_loc), "two tokens of a step share a slot"
         # FUTURE_TOKEN: the row's token sampled last, only where a row decodes
         # one token (a decode step, or a running row inside a mixed extend)
         token_rows = [(row, n) for row, n in zip(rows, counts) for _ in range(n)]
