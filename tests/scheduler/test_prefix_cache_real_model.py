@@ -37,13 +37,18 @@ def run(model_dir: str, arrivals, **args) -> Engine:
     return engine
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["unmixed", "mixed-chunk"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
-def test_greedy_outputs_with_the_cache_equal_those_without(tiny_llama_dir, overlap):
+def test_greedy_outputs_with_the_cache_equal_those_without(tiny_llama_dir, overlap, mixed):
+    """With --enable-mixed-chunk too: the running rows' decode slots are taken
+    in the same step as prefills whose tokens the tree may already hold."""
     arrivals = shared_prefix_load(0)
     ref = run(tiny_llama_dir, arrivals, disable_radix_cache=True, disable_overlap_schedule=True)
     cached = run(tiny_llama_dir, arrivals, chunked_prefill_size=16, max_total_tokens=120,
-                 schedule_conservativeness=0.3,
+                 schedule_conservativeness=0.3, enable_mixed_chunk=mixed,
                  disable_overlap_schedule=not overlap)
+    if mixed:
+        assert cached.sched.num_mixed_steps >= 5
     assert cached.sched.cache.matched_tokens > 200, "the load must hit the cache"
     assert cached.sched.total_retractions >= 1, "the small pool must retract"
     assert sum(r.cached_tokens for r in cached.reqs.values()) > 0
