@@ -66,7 +66,9 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 1024  # -1 disables chunking
     max_consecutive_prefill_batches: int = 2  # prefill batches before a decode step must run
-    enable_mixed_chunk: bool = False  # running rows decode inside prefill steps (SGLang's flag)
+    # running rows decode inside prefill steps (SGLang's flag); None: on with
+    # continuous batching (vLLM's way; SGLang's default is off), else off
+    enable_mixed_chunk: bool | None = None
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     max_queued_requests: int | None = None
@@ -126,7 +128,9 @@ class ServerArgs:
             raise ValueError(f"--batching must be continuous, static or dynamic, not {self.batching!r}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("--chunked-prefill-size must be positive, or -1 to disable chunking")
-        if self.enable_mixed_chunk and self.batching != "continuous":
+        if self.enable_mixed_chunk is None:
+            self.enable_mixed_chunk = self.batching == "continuous"
+        elif self.enable_mixed_chunk and self.batching != "continuous":
             raise ValueError("--enable-mixed-chunk needs --batching continuous")
         if self.max_consecutive_prefill_batches < 1:
             raise ValueError("--max-consecutive-prefill-batches must be >= 1")
@@ -228,9 +232,15 @@ class ServerArgs:
         parser.add_argument("--max-consecutive-prefill-batches", type=int,
                             default=d["max_consecutive_prefill_batches"].default,
                             help="prefill batches in a row before running requests get a decode step")
-        parser.add_argument("--enable-mixed-chunk", action="store_true",
-                            help="the running requests decode their next token inside each prefill step "
-                                 "(one pass over the weights for both) instead of waiting for it")
+        mixed = parser.add_mutually_exclusive_group()
+        mixed.add_argument("--enable-mixed-chunk", dest="enable_mixed_chunk", action="store_const", const=True,
+                           default=None,
+                           help="the running requests decode their next token inside each prefill step "
+                                "(one pass over the weights for both) instead of waiting for it; the default "
+                                "with continuous batching")
+        mixed.add_argument("--disable-mixed-chunk", dest="enable_mixed_chunk", action="store_const", const=False,
+                           help="prefill steps carry only prompts; running requests wait for them "
+                                "(SGLang's default)")
         parser.add_argument("--schedule-policy", default=d["schedule_policy"].default,
                             choices=["fcfs", "lpm"])
         parser.add_argument("--schedule-conservativeness", type=float,

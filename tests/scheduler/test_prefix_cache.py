@@ -19,6 +19,7 @@ from tests.scheduler.test_scheduler import MODES, assert_no_leak
 class CacheHarness:
     def __init__(self, max_total_tokens: int = 4096, max_running: int = 8, context_len: int = 512,
                  eos_one_in: int = 0, **args) -> None:
+        args.setdefault("enable_mixed_chunk", False)  # the plain loop, step by step
         self.model = FakeModel(eos_one_in, content_dependent=True, max_total_tokens=max_total_tokens)
         self.outputs: list[BatchTokenOut] = []
         self.sched = create_scheduler(ServerArgs(model_path="fake", max_running_requests=max_running, **args),

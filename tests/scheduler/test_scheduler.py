@@ -15,6 +15,8 @@ class Harness:
     def __init__(self, max_running: int = 4, max_total_tokens: int = 4096,
                  max_prefill_tokens: int = 16384, context_len: int = 512, eos_one_in: int = 0,
                  **args) -> None:
+        # step-by-step tests of SGLang's plain loop; the mixed one asks for it
+        args.setdefault("enable_mixed_chunk", False)
         args = ServerArgs(model_path="fake", max_running_requests=max_running,
                           max_prefill_tokens=max_prefill_tokens, **args)
         self.model = FakeModel(eos_one_in)
