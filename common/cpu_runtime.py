@@ -24,7 +24,7 @@ the step stalls for the whole burst. The model process spins 10,000
 iterations instead (unless GOMP_SPINCOUNT or OMP_WAIT_POLICY is set):
 measured (bench/RESULTS.md) the same quiet steps, and the step that meets
 a burst of 10 such posts 150-310 -> 103-109 ms (medians). Sleeping at once
-(OMP_WAIT_POLICY=passive) costs every quiet step ~60%.
+(OMP_WAIT_POLICY=passive) costs every quiet step ~55%.
 
 Threads (`--cpu-threads`): by default torch's, one per physical core; with
 several tensor-parallel ranks on a node, the cores the process may run on
