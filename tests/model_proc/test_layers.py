@@ -51,18 +51,21 @@ def make_linear(dtype: torch.dtype, gen: torch.Generator, bias: bool, kernel: Ma
 @pytest.mark.parametrize("kernel,dtype", KERNEL_DTYPES, ids=lambda x: getattr(x, "value", str(x)))
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_linear_and_its_epilogues_equal_plain_torch(dtype, kernel, bias, gated, monkeypatch):
-    """Widths that are not a multiple of the native op's blocks (80, and 40
-    per gated half), rows across its tile sizes (1 row; 64; 300 in tiles of
-    128 with a short last one)."""
+@pytest.mark.parametrize("out", [80, 140, 170, 340])
+def test_linear_and_its_epilogues_equal_plain_torch(dtype, kernel, bias, gated, out, monkeypatch):
+    """Widths that are not a multiple of the native op's 64-column blocks
+    (per gated half: 40, 70, 85, 170), among them odd numbers of blocks (an
+    uneven share between 2 threads) and last blocks under half full (140);
+    rows across its tile sizes (1 row; 64; 300 in tiles of 128 with a short
+    last one)."""
     gen = torch.Generator().manual_seed(0)
-    lin, w, b = make_linear(dtype, gen, bias, kernel, gated, monkeypatch)
+    lin, w, b = make_linear(dtype, gen, bias, kernel, gated, monkeypatch, shape=(out, 48))
     with torch.inference_mode():
         for rows in (1, 7, 33, 64, 300):
             # a strided input, as the MLP's in-place gate * up view is
             x = torch.randn(rows, 96, generator=gen).to(dtype)[:, ::2]
             full = F.linear(x.float(), w.float(), None if b is None else b.float())
-            ref = F.silu(full[:, :40]) * full[:, 40:] if gated else full
+            ref = F.silu(full[:, :out // 2]) * full[:, out // 2:] if gated else full
             other = torch.randn(*ref.shape, generator=gen).to(dtype)
             torch.testing.assert_close(lin(x).float(), ref, **TOL[dtype])
             torch.testing.assert_close(lin(x, add=other).float(), ref + other.float(), **TOL[dtype])
