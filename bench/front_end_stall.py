@@ -38,16 +38,7 @@ def decode_intervals(url: str, since: float) -> list[tuple[float, float]]:
 
 def measure(config: str, rounds: int) -> dict[str, float]:
     env = dict(pair.split("=", 1) for pair in config.split(",")) if config != "default" else {}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # ServerProcess starts the launcher with this process's environment
-    try:
-        srv = ServerProcess("--max-running-requests", "16")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    srv = ServerProcess("--max-running-requests", "16", env=env)
     quiet_gap, loaded_gap, burst_step, quiet_step = [], [], [], []
     try:
         asyncio.run(stall.run_streams(srv.url, loaded=False))  # warm-up

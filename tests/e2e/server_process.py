@@ -53,13 +53,15 @@ def pid_alive(pid: int) -> bool:
 
 
 class ServerProcess:
-    def __init__(self, *flags: str, startup_timeout: float = 180.0) -> None:
+    def __init__(self, *flags: str, startup_timeout: float = 180.0, env: dict[str, str] | None = None) -> None:
+        """`env`: settings added to this process's environment for the server."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log: list[str] = []
         self.proc = subprocess.Popen(
             [sys.executable, "launch.py", "--port", str(self.port), *flags], cwd=ROOT,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, **env} if env else None)
         self._ready = threading.Event()
         threading.Thread(target=self._read_output, daemon=True).start()
         deadline = time.monotonic() + startup_timeout
