@@ -1,7 +1,8 @@
 """The model's matmuls alone, per kernel: what `Linear` runs on this CPU.
 
     python -m bench.linear_bench [--dtype bfloat16] [--rows 1 8 32 64 256 1024]
-                                 [--kernels native onednn torch] [--no-write]
+                                 [--kernels native onednn torch] [--native-pages huge 4k]
+                                 [--no-write]
 
 One "step" is every matmul of the default model's 30 layers and its LM head,
 in the model's order and with the model's epilogues (q/k/v; o_proj + the
@@ -10,7 +11,10 @@ on random weights of the model's shapes, for `rows` tokens. The weights
 (~270 MB in bfloat16) are far beyond the caches, so every step reads them
 from memory as a decode step does. Kernels (model_proc/layers.py
 MatmulKernel): the native op's packed blocks, oneDNN's pre-packed weight,
-plain F.linear. The kernels take turns, case by case, twice; the median of
+plain F.linear. The native op's weights sit where the model puts them, in
+one buffer on transparent huge pages (layers.move_packed_onto_huge_pages);
+`--native-pages huge 4k` also times them on ordinary 4 KiB pages
+("native-4k"). The kernels take turns, case by case, twice; the median of
 each kernel's timed steps is reported, with the weights' read rate and, next
 to it, the read bandwidth measured on the spot. The table is printed and
 appended, with the command and date, to bench/RESULTS.md.
@@ -25,6 +29,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -37,8 +42,10 @@ RESULTS = os.path.join(os.path.dirname(__file__), "RESULTS.md")
 HIDDEN, INTER, Q, KV, LAYERS, VOCAB = 576, 1536, 576, 192, 30, 49152  # SmolLM2-135M
 
 
-def make_model(kernel: MatmulKernel, dtype: torch.dtype, seed: int) -> list[list[Linear]]:
-    """30 layers of [qkv, o, gate_up, down], then [head], prepared for `kernel`."""
+def make_model(kernel: MatmulKernel, dtype: torch.dtype, seed: int, huge_pages: bool = True) -> list[list[Linear]]:
+    """30 layers of [qkv, o, gate_up, down], then [head], prepared for `kernel`
+    (the native op's weights moved onto huge pages, as the model does, unless
+    `huge_pages` is False)."""
     layers.use_native, Linear.use_onednn = kernel is MatmulKernel.NATIVE, kernel is MatmulKernel.ONEDNN
     gen = torch.Generator().manual_seed(seed)
 
@@ -52,8 +59,10 @@ def make_model(kernel: MatmulKernel, dtype: torch.dtype, seed: int) -> list[list
 
     try:
         model = [[linear(HIDDEN, Q + 2 * KV), linear(Q, HIDDEN), linear(HIDDEN, 2 * INTER, gated=True),
-                  linear(INTER, HIDDEN)] for _ in range(LAYERS)]
-        return model + [[linear(HIDDEN, VOCAB)]]
+                  linear(INTER, HIDDEN)] for _ in range(LAYERS)] + [[linear(HIDDEN, VOCAB)]]
+        if huge_pages:
+            layers.move_packed_onto_huge_pages([lin for layer in model for lin in layer])
+        return model
     finally:
         layers.use_native, Linear.use_onednn = True, True
 
@@ -71,11 +80,22 @@ def weight_bytes(dtype: torch.dtype) -> int:
     return (LAYERS * per_layer + HIDDEN * VOCAB) * torch.tensor([], dtype=dtype).element_size()
 
 
+@dataclass(frozen=True)
+class Variant:
+    """A kernel, and for the native one where its weights sit."""
+    kernel: MatmulKernel
+    huge_pages: bool = True
+
+    @property
+    def value(self) -> str:  # the label in the table
+        return self.kernel.value + ("" if self.huge_pages or self.kernel is not MatmulKernel.NATIVE else "-4k")
+
+
 @torch.inference_mode()
-def run(dtype: torch.dtype, rows: list[int], kernels: list[MatmulKernel], steps: int) -> dict:
-    models = {k: make_model(k, dtype, seed=0) for k in kernels}
+def run(dtype: torch.dtype, rows: list[int], kernels: list[Variant], steps: int) -> dict:
+    models = {k: make_model(k.kernel, dtype, seed=0, huge_pages=k.huge_pages) for k in kernels}
     gen = torch.Generator().manual_seed(1)
-    times: dict[tuple[MatmulKernel, int], list[float]] = {}
+    times: dict[tuple[Variant, int], list[float]] = {}
     for n in rows:
         x = torch.randn(n, HIDDEN, generator=gen).to(dtype)
         for _ in range(2):  # the kernels take turns, twice
@@ -90,7 +110,7 @@ def run(dtype: torch.dtype, rows: list[int], kernels: list[MatmulKernel], steps:
     return {key: statistics.median(v) for key, v in times.items()}
 
 
-def report(command: str, dtype: torch.dtype, rows: list[int], kernels: list[MatmulKernel], medians: dict,
+def report(command: str, dtype: torch.dtype, rows: list[int], kernels: list[Variant], medians: dict,
            bandwidth: float, load: tuple[float, float]) -> str:
     gb = weight_bytes(dtype) / 1e9
     first = kernels[0]
@@ -127,12 +147,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 256, 1024])
     p.add_argument("--kernels", nargs="+", choices=[k.value for k in MatmulKernel],
                    default=[k.value for k in MatmulKernel if k is not MatmulKernel.TORCH])
+    p.add_argument("--native-pages", nargs="+", choices=["huge", "4k"], default=["huge"],
+                   help="where the native op's weights sit: huge pages (as in the model), 4 KiB pages, or both")
     p.add_argument("--steps", type=int, default=5, help="timed steps per kernel and turn")
     p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    kernels = [MatmulKernel(k) for k in args.kernels]
-    skipped = [k for k in kernels if not available(k, dtype)]
+    kernels = [Variant(MatmulKernel(k), page == "huge") for k in args.kernels
+               for page in (args.native_pages if k == MatmulKernel.NATIVE.value else ["huge"])]
+    skipped = [k for k in kernels if not available(k.kernel, dtype)]
     for k in skipped:
         print(f"skipped: no {k.value} matmul for {args.dtype} on this machine")
     kernels = [k for k in kernels if k not in skipped]

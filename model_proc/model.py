@@ -31,7 +31,7 @@ from torch import nn
 from model_proc.attention import AttentionBackend, AttentionMetadata
 from model_proc.batch_invariant import pad_rows, padded_rows
 from model_proc.layers import (Linear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, apply_rope_,
-                               fold_norm_weight, rms_norm)
+                               fold_norm_weight, move_packed_onto_huge_pages, rms_norm)
 from model_proc.parallel import SINGLE, TensorParallel, shard_heads, shard_range
 from model_proc.weights import CheckpointReader
 
@@ -305,6 +305,7 @@ class LlamaForCausalLM(nn.Module):
                                                 mlp.inter_start + mlp.inter))
             if mlp.down_proj.bias is not None:
                 put(mlp.down_proj.bias, ckpt.read(f"{m}down_proj.bias"))
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.prepare()
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for lin in linears:
+            lin.prepare()
+        move_packed_onto_huge_pages(linears)

@@ -110,3 +110,18 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) == 0
     except (OSError, AttributeError):
         return False
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of `nbytes` whose memory starts on a 2 MiB boundary
+    and is advised onto transparent huge pages before anything touches it
+    (a tensor that has been written is already on 4 KiB pages). Used for the
+    packed matmul weights (layers.move_packed_onto_huge_pages): a decode step
+    streams all of them, and on 4 KiB pages every 4 KiB is a TLB miss and
+    the end of the hardware prefetcher's run. Where the advice is refused the
+    buffer is ordinary memory."""
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE
+    # advise whole huge pages: the last one only partly used is still one page
+    advise_huge_pages(raw[start:start + (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE])
+    return raw[start:start + nbytes]

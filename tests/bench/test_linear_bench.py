@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench import linear_bench
 
 
@@ -15,3 +17,13 @@ def test_every_available_kernel_is_timed_and_compared(capsys):
     assert [line.split(" | ")[0] for line in table.splitlines()[2:4]] == ["| 1", "| 3"]
     for kernel in ("onednn", "native"):
         assert (f"{kernel} / torch" in header) != (f"skipped: no {kernel} matmul" in out)
+
+
+def test_native_pages_both_times_the_weights_on_huge_and_4k_pages(capsys):
+    linear_bench.main(["--rows", "2", "--steps", "1", "--kernels", "native", "--native-pages", "huge", "4k",
+                       "--no-write"])
+    out = capsys.readouterr().out
+    if "skipped: no native matmul" in out:
+        pytest.skip("no native matmul here: needs AVX512_BF16 or AMX and a C++ compiler")
+    header = out[out.index("| rows |"):].splitlines()[0]
+    assert header == "| rows | native ms (GB/s) | native-4k ms (GB/s) | native-4k / native |"

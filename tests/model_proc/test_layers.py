@@ -78,6 +78,30 @@ def test_packing_drops_the_plain_weight(kernel, monkeypatch):
     assert lin.weight.numel() == 0 and lin.packed is not None
 
 
+def test_packed_weights_move_onto_one_huge_page_buffer_unchanged(monkeypatch):
+    """move_packed_onto_huge_pages: every native weight becomes a view of one
+    buffer starting on a 2 MiB boundary, each at a cache-line offset, with
+    the same outputs; a oneDNN weight stays where it is."""
+    gen = torch.Generator().manual_seed(2)
+    natives = [make_linear(torch.bfloat16, gen, bias, MatmulKernel.NATIVE, gated, monkeypatch, shape=shape)[0]
+               for bias, gated, shape in ((False, False, (80, 48)), (True, True, (340, 96)), (False, False, (64, 576)))]
+    onednn = make_linear(torch.bfloat16, gen, False, MatmulKernel.ONEDNN, False, monkeypatch)[0]
+    xs = [torch.randn(5, lin.packed.shape[1] * 2, generator=gen).to(torch.bfloat16) for lin in natives]
+    with torch.inference_mode():
+        before = [lin(x) for lin, x in zip(natives, xs)]
+        kept = onednn.packed
+        total = layers.move_packed_onto_huge_pages(natives + [onednn])
+        after = [lin(x) for lin, x in zip(natives, xs)]
+    storage = natives[0].packed.untyped_storage().data_ptr()
+    base = min(lin.packed.data_ptr() for lin in natives)
+    assert base % (2 << 20) == 0 and total >= sum(lin.packed.nbytes for lin in natives)
+    for lin in natives:
+        assert lin.packed.untyped_storage().data_ptr() == storage and (lin.packed.data_ptr() - base) % 64 == 0
+    assert onednn.packed is kept
+    for b, a in zip(before, after):
+        assert torch.equal(b, a)
+
+
 def test_native_linear_rows_do_not_depend_on_their_mates(monkeypatch):
     """A row's bits at a fixed number of rows do not depend on the other rows
     (what --deterministic's fixed-size calls rely on, batch_invariant.py)."""
