@@ -21,6 +21,7 @@ epilogue as separate ops: same results up to float rounding.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -84,7 +85,20 @@ def gated_halves_interleaved(blocks_g: torch.Tensor, blocks_u: torch.Tensor) -> 
     return torch.stack([blocks_g, blocks_u], 1).flatten(0, 1)
 
 
-class Linear(nn.Module):
+class HooklessModule(nn.Module):
+    """A module whose call is its forward, without nn.Module's hook machinery.
+
+    The decoder's per-layer modules are called ~210 times a decode step
+    (30 layers of a layer, its attention, its MLP and four matmuls); the
+    hook checks of nn.Module's call cost ~1 ms of a ~21 ms step at batch 1
+    (measured side by side, bfloat16, 1 row at 256 tokens). Nothing
+    registers hooks on these modules; the model's head keeps them."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+
+class Linear(HooklessModule):
     """y = x @ W.T + b, optionally with a fused epilogue.
 
     Holds a plain `weight` [out, in] until `prepare` packs it (after the
@@ -146,6 +160,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         if self.batch_invariant:
             return in_row_blocks(self._forward, x, add)
+        if self.kernel is MatmulKernel.NATIVE and x.stride(-1) == 1 and (add is None or add.stride(-1) == 1):
+            # the common case first: a decode step makes ~120 of these calls
+            return self.op.linear(x, self.packed, self.out_features, self.gated, self.packed_bias, add,
+                                  self.float_out)
         return self._forward(x, add)
 
     def _forward(self, x: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
@@ -251,6 +269,9 @@ class ParallelLMHead(Linear):
         super().__init__(hidden_size, rows, bias=False)
         self.tp, self.vocab_size = tp, vocab_size
         self.float_out = True
+
+    # called once a step: it keeps nn.Module's call, hooks included (tests watch its input)
+    __call__ = nn.Module.__call__
 
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         assert add is None, "nothing is added to logits"
