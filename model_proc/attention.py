@@ -394,21 +394,33 @@ class NativeAttnBackend(TorchAttnBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: AttentionMetadata) -> torch.Tensor:
-        if isinstance(meta, MixedAttnMetadata):
-            # the extend rows' tokens come first, the decoding rows' after them
-            t = meta.decode_token
-            if meta.extend is None:
-                return self.forward(q, k, v, layer_id, meta.decode)
-            out = torch.empty_like(q)
-            out[:t] = self.forward(q[:t], k[:t], v[:t], layer_id, meta.extend)
-            out[t:] = self.forward(q[t:], k[t:], v[t:], layer_id, meta.decode)
-            return out
+        if not isinstance(meta, MixedAttnMetadata):
+            return self._attend(None, q, k, v, layer_id, meta)
+        if meta.extend is None:
+            return self._attend(None, q, k, v, layer_id, meta.decode)
+        # the extend rows' tokens come first, the decoding rows' after them;
+        # the op writes each part's rows of `out` in place (narrow, not
+        # slicing: fewer dispatches)
+        out = q.new_empty(q.shape)
+        t = meta.decode_token
+        for start, n, part in ((0, t, meta.extend), (t, q.shape[0] - t, meta.decode)):
+            o = out.narrow(0, start, n)
+            res = self._attend(o, q.narrow(0, start, n), k.narrow(0, start, n), v.narrow(0, start, n), layer_id, part)
+            if res is not o:  # the torch path's own tensor
+                o.copy_(res)
+        return out
+
+    def _attend(self, out: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of one kind of rows (decode or extend) into `out` (a new
+        tensor when None, or where the torch path takes it)."""
         if self.op is None or not (meta.is_decode or self.native_extend):
             return super().forward(q, k, v, layer_id, meta)
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         # the op needs each token's heads contiguous (a row stride of its own is fine)
-        q, k, v = (x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous() for x in (q, k, v))
-        out = q.new_empty(q.shape)
+        q, k, v = _heads_contiguous(q), _heads_contiguous(k), _heads_contiguous(v)
+        if out is None:
+            out = q.new_empty(q.shape)
         # the op stores k/v into their slots first (KVPool.store, fused), and
         # extend reads the new tokens back from the pool
         if meta.is_decode:
@@ -416,6 +428,11 @@ class NativeAttnBackend(TorchAttnBackend):
                                   k, v, meta.out_cache_loc)
         return self.op.extend(out, q, k_buf, v_buf, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, self.scale,
                               k, v, meta.out_cache_loc)
+
+
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] with each token's heads contiguous (any row stride)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 @dataclass
