@@ -7,8 +7,11 @@ will run on. On a CPU, measured on this project's 2-core machine
 - bfloat16 with AMX or AVX512_BF16: the native op (model_proc/native/
   layers.cpp): the weight packed once into brgemm's blocked layout, the
   epilogue (bias, residual add, SiLU(gate) * up) fused into the pass that
-  rounds the product to bfloat16. The model's matmuls took 0.67-0.85x
-  oneDNN's time with it, from 1 row (a decode step alone) to 1024 (a prefill).
+  rounds the product to bfloat16, the RMSNorm before it (`norm_eps`) in the
+  same call, and the packed weights of the whole model in one buffer on
+  transparent huge pages. The model's matmuls took 0.67-0.85x oneDNN's time
+  with it, from 1 row (a decode step alone) to 1024 (a prefill); on huge
+  pages 1 / 32 / 64 rows took 0.79 / 0.85 / 0.89x their time on 4 KiB pages.
 - otherwise (float32, or no native op): a oneDNN pre-packed weight. MKL's
   float32 `F.linear` runs a single-row matmul on one thread; oneDNN's uses
   both and, pre-packed, reads the weight at close to the memory bandwidth
@@ -157,13 +160,19 @@ class Linear(HooklessModule):
         halves = [F.pad(b[:h], (0, pad)).view(-1, block), F.pad(b[h:], (0, pad)).view(-1, block)]
         return blocks, torch.stack(halves, 1).flatten()
 
-    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        if self.batch_invariant:
-            return in_row_blocks(self._forward, x, add)
-        if self.kernel is MatmulKernel.NATIVE and x.stride(-1) == 1 and (add is None or add.stride(-1) == 1):
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None,
+                norm_eps: float | None = None) -> torch.Tensor:
+        """norm_eps: x is first RMS-normalized (`rms_norm`; the norm's weight
+        is folded into this one), by the native op in the same call."""
+        if self.kernel is MatmulKernel.NATIVE and x.stride(-1) == 1 and (add is None or add.stride(-1) == 1) \
+                and not self.batch_invariant:
             # the common case first: a decode step makes ~120 of these calls
             return self.op.linear(x, self.packed, self.out_features, self.gated, self.packed_bias, add,
-                                  self.float_out)
+                                  self.float_out, -1.0 if norm_eps is None else norm_eps)
+        if norm_eps is not None:
+            x = rms_norm(x, norm_eps)
+        if self.batch_invariant:
+            return in_row_blocks(self._forward, x, add)
         return self._forward(x, add)
 
     def _forward(self, x: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
@@ -273,9 +282,10 @@ class ParallelLMHead(Linear):
     # called once a step: it keeps nn.Module's call, hooks included (tests watch its input)
     __call__ = nn.Module.__call__
 
-    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None,
+                norm_eps: float | None = None) -> torch.Tensor:
         assert add is None, "nothing is added to logits"
-        logits = super().forward(x)
+        logits = super().forward(x, norm_eps=norm_eps)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last_dim(logits)[:, :self.vocab_size]

@@ -7,9 +7,10 @@ knows where each row starts (`AttentionMetadata`).
 
 Laid out for speed (the building blocks are in `layers.py`): q/k/v are one
 matmul and gate/up another; each RMSNorm's weight is folded into the matmul
-that follows it; rotary is applied in place to q and k together; the
-residual adds and SiLU(gate) * up are fused into the matmuls where the kernel
-can (layers.py).
+that follows it, and the norm itself runs inside that matmul's call where the
+kernel can; rotary is applied in place to q and k together; the residual
+adds and SiLU(gate) * up are fused into the matmuls where the kernel can
+(layers.py).
 
 Tensor parallelism (`--tp-size`, model_proc/parallel.py): each rank builds
 this model with its own share: its query and KV heads (the KV pool holds only
@@ -31,7 +32,7 @@ from torch import nn
 from model_proc.attention import AttentionBackend, AttentionMetadata
 from model_proc.batch_invariant import pad_rows, padded_rows
 from model_proc.layers import (HooklessModule, Linear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
-                               apply_rope_, fold_norm_weight, move_packed_onto_huge_pages, rms_norm)
+                               apply_rope_, fold_norm_weight, move_packed_onto_huge_pages)
 from model_proc.parallel import SINGLE, TensorParallel, shard_heads, shard_range
 from model_proc.weights import CheckpointReader
 
@@ -151,6 +152,7 @@ class Attention(HooklessModule):
         super().__init__()
         self.layer_id = layer_id
         self.backend = backend
+        self.eps = cfg.rms_norm_eps  # input_layernorm's
         # this rank's heads (all of them at tp size 1)
         self.heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
         self.num_heads, self.num_kv_heads, self.head_dim = self.heads.num_heads, self.heads.num_kv_heads, cfg.head_dim
@@ -162,24 +164,24 @@ class Attention(HooklessModule):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=cfg.o_bias, tp=tp)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """residual + attention(h), h the normed residual."""
-        n = h.shape[0]
-        heads = self.qkv_proj(h).view(n, -1, self.head_dim)  # [T, q + k + v heads, head_dim]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x + attention(rms_norm(x)) (the norm fused into the q/k/v matmul)."""
+        n = x.shape[0]
+        heads = self.qkv_proj(x, norm_eps=self.eps).view(n, -1, self.head_dim)  # [T, q + k + v heads, head_dim]
         # q and k heads are adjacent in each row: rotate them in one pass, in
         # place. (narrow and split, not slicing: torch's indexing costs several
         # dispatches a slice, ~30 us a layer at batch 1)
         apply_rope_(heads.narrow(1, 0, self.num_heads + self.num_kv_heads), cos, sin)
         q, k, v = heads.split(self.head_counts, dim=1)
         o = self.backend.forward(q, k, v, self.layer_id, meta)
-        return self.o_proj(o.reshape(n, self.q_size), add=residual)
+        return self.o_proj(o.reshape(n, self.q_size), add=x)
 
 
 class MLP(HooklessModule):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         # this rank's slice of the intermediate size
+        self.eps = cfg.rms_norm_eps  # post_attention_layernorm's
         self.inter_start, inter_end = shard_range(cfg.intermediate_size, tp.rank, tp.size, "intermediate_size")
         self.inter = inter_end - self.inter_start
         # gate and up in one matmul, like qkv (post_attention_layernorm's weight
@@ -187,24 +189,23 @@ class MLP(HooklessModule):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias, gated=True)
         self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + mlp(h), h the normed residual."""
-        return self.down_proj(self.gate_up_proj(h), add=residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x + mlp(rms_norm(x)) (the norm fused into the gate/up matmul)."""
+        return self.down_proj(self.gate_up_proj(x, norm_eps=self.eps), add=x)
 
 
 class DecoderLayer(HooklessModule):
     def __init__(self, cfg: ModelConfig, layer_id: int, backend: AttentionBackend,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.eps = cfg.rms_norm_eps
         self.self_attn = Attention(cfg, layer_id, backend, tp)
         self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        # the norms have no weight here: each is folded into the next matmul
-        x = self.self_attn(rms_norm(x, self.eps), x, cos, sin, meta)
-        return self.mlp(rms_norm(x, self.eps), x)
+        # each block normalizes its own input: the norms have no weight here
+        # (folded into the next matmul) and run inside that matmul's call
+        return self.mlp(self.self_attn(x, cos, sin, meta))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -245,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
         last = x[:num_tokens] if meta.is_decode else x[meta.qo_indptr[1:] - 1]
         if extra_index is not None and extra_index.numel():
             last = torch.cat([last, x[extra_index]])
-        return self.lm_head(rms_norm(last, self.cfg.rms_norm_eps)).float()
+        return self.lm_head(last, norm_eps=self.cfg.rms_norm_eps).float()
 
     @torch.no_grad()
     def load_weights(self, ckpt: CheckpointReader) -> None:

@@ -124,15 +124,37 @@ void finish_tile(const float* c, int64_t rows, int64_t tile_rows, const float* b
   }
 }
 
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+}
+
+// y = x / sqrt(mean(x^2) + eps) for one row of H values: float32 inside,
+// rounded once (RMSNorm without its weight, which is folded into the next matmul).
+inline void normalize_row(const at::BFloat16* in, at::BFloat16* out, int64_t H, float eps) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t j = 0; j < H; j += 16) {
+    const __m512 v = load_bf16(in + j, tail_mask(H - j));
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / H + eps));
+  for (int64_t j = 0; j < H; j += 16) {
+    const __mmask16 m = tail_mask(H - j);
+    store_bf16(out + j, _mm512_mul_ps(load_bf16(in + j, m), scale), m);
+  }
+}
+
 #endif  // BS_LINEAR
 
 inline int threads_for(int64_t items) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
 }
 
-// y [M, n_out] = epilogue(x [M, K] @ W.T), W packed as above.
+// y [M, n_out] = epilogue(x [M, K] @ W.T), W packed as above. norm_eps >= 0:
+// x's rows are RMS-normalized first (as rms_norm below, bit for bit), in the
+// same parallel region: the norm before a matmul costs no call of its own.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, bool gated,
-                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& add, bool float_out) {
+                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& add, bool float_out,
+                  double norm_eps) {
   TORCH_CHECK(supported(), "the native linear needs AMX or AVX512_BF16 (and a build with them)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bfloat16 only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, K] with contiguous rows");
@@ -149,15 +171,25 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, bool 
 #ifdef BS_LINEAR
   const int64_t tile = M < 256 ? 64 : 128;
   const int64_t tiles = (M + tile - 1) / tile, units = blocks / per_task, tasks = units * tiles;
-  const auto* xp = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
+  const bool norm = norm_eps >= 0;
+  // the normalized rows, when asked for: what the products read
+  at::Tensor xn = norm ? at::empty({M, K}, x.options()) : at::Tensor();
+  const auto* x_in = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
+  auto* xn_p = norm ? reinterpret_cast<at::BFloat16*>(xn.data_ptr()) : nullptr;
+  const at::BFloat16* xp = norm ? xn_p : x_in;
   const auto* wp = reinterpret_cast<const at::BFloat16*>(w.data_ptr());
   void* yp = y.data_ptr();
   const Epilogue e{bias ? bias->data_ptr<float>() : nullptr,
                    add ? reinterpret_cast<const at::BFloat16*>(add->data_ptr()) : nullptr, add ? add->stride(0) : 0,
                    gated, float_out};
-  const int64_t ldx = x.stride(0), ldy = y.stride(0);
+  const int64_t ld_in = x.stride(0), ldx = norm ? K : ld_in, ldy = y.stride(0);
 #pragma omp parallel num_threads(threads_for(tasks))
   {
+    if (norm) {
+#pragma omp for  // its implicit barrier: every row is ready before any product
+      for (int64_t r = 0; r < M; ++r)
+        normalize_row(x_in + r * ld_in, xn_p + r * K, K, static_cast<float>(norm_eps));
+    }
     std::vector<float> c(per_task * tile * BN);
 #pragma omp for schedule(dynamic, 1)  // a thread that loses its core for a moment leaves its blocks to the other (quiet: as fast as static)
     for (int64_t t = 0; t < tasks; ++t) {
@@ -177,11 +209,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, bool 
   return y;
 }
 
-#ifdef BS_LINEAR
-inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-}
-#endif
 
 // Rows in parallel only when there is enough work to pay for waking threads.
 inline int row_threads(int64_t rows, int64_t per_row) { return threads_for(rows * per_row / 65536 + 1); }
@@ -197,19 +224,7 @@ at::Tensor rms_norm(const at::Tensor& x, double eps) {
   const auto* xp = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
   auto* yp = reinterpret_cast<at::BFloat16*>(y.data_ptr());
 #pragma omp parallel for num_threads(row_threads(rows, H))
-  for (int64_t r = 0; r < rows; ++r) {
-    const at::BFloat16* in = xp + r * ldx;
-    __m512 ss = _mm512_setzero_ps();
-    for (int64_t j = 0; j < H; j += 16) {
-      const __m512 v = load_bf16(in + j, tail_mask(H - j));
-      ss = _mm512_fmadd_ps(v, v, ss);
-    }
-    const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / H + static_cast<float>(eps)));
-    for (int64_t j = 0; j < H; j += 16) {
-      const __mmask16 m = tail_mask(H - j);
-      store_bf16(yp + r * H + j, _mm512_mul_ps(load_bf16(in + j, m), scale), m);
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r) normalize_row(xp + r * ldx, yp + r * H, H, static_cast<float>(eps));
 #endif
   return y;
 }
@@ -295,7 +310,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("linear", &linear, "y = epilogue(x @ W.T), W in packed blocks (see layers.cpp)", py::arg("x"), py::arg("w"),
         py::arg("n_out"), py::arg("gated"), py::arg("bias"), py::arg("add"), py::arg("float_out") = false,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("norm_eps") = -1.0, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm without weight, per row, float32 inside", py::arg("x"), py::arg("eps"));
   m.def("rope_", &rope_, "rotary in place (rotate-half layout), float32 inside", py::arg("x"), py::arg("cos"),
         py::arg("sin"));

@@ -72,6 +72,21 @@ def test_linear_and_its_epilogues_equal_plain_torch(dtype, kernel, bias, gated, 
             assert lin(x).dtype == dtype and lin(x).shape == ref.shape
 
 
+@pytest.mark.parametrize("kernel,dtype", KERNEL_DTYPES, ids=lambda x: getattr(x, "value", str(x)))
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_linear_with_norm_eps_equals_rms_norm_then_linear(dtype, kernel, gated, monkeypatch):
+    """The norm fused into the matmul's call (the native op normalizes the
+    rows in its own parallel region) gives the bits of rms_norm then the matmul,
+    for contiguous and strided inputs, across row tiles."""
+    gen = torch.Generator().manual_seed(3)
+    lin, _w, _b = make_linear(dtype, gen, True, kernel, gated, monkeypatch, shape=(340, 96))
+    with torch.inference_mode():
+        for rows in (1, 7, 65, 300):
+            wide = (torch.randn(rows, 192, generator=gen) * 3).to(dtype)
+            for x in (wide[:, :96], wide[:, ::2], wide[:, :96].contiguous()):
+                assert torch.equal(lin(x, norm_eps=1e-5), lin(rms_norm(x, 1e-5))), (rows, x.stride())
+
+
 @pytest.mark.parametrize("kernel", [MatmulKernel.NATIVE, MatmulKernel.ONEDNN], ids=lambda k: k.value)
 def test_packing_drops_the_plain_weight(kernel, monkeypatch):
     lin, _w, _b = make_linear(torch.bfloat16, torch.Generator().manual_seed(1), False, kernel, False, monkeypatch)
