@@ -120,8 +120,10 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     streams all of them, and on 4 KiB pages every 4 KiB is a TLB miss and
     the end of the hardware prefetcher's run. Where the advice is refused the
     buffer is ordinary memory."""
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    # whole huge pages from an aligned start: the last one, only partly
+    # used, is still inside the allocation, so it is advised too
+    pages = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    raw = torch.empty(pages + HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
-    # advise whole huge pages: the last one only partly used is still one page
-    advise_huge_pages(raw[start:start + (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE])
+    advise_huge_pages(raw[start:start + pages])
     return raw[start:start + nbytes]
