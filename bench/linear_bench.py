@@ -2,7 +2,7 @@
 
     python -m bench.linear_bench [--dtype bfloat16] [--rows 1 8 32 64 256 1024]
                                  [--kernels native onednn torch] [--native-pages huge 4k]
-                                 [--no-write]
+                                 [--native-amx on off] [--no-write]
 
 One "step" is every matmul of the default model's 30 layers and its LM head,
 in the model's order and with the model's epilogues (q/k/v; o_proj + the
@@ -14,7 +14,9 @@ MatmulKernel): the native op's packed blocks, oneDNN's pre-packed weight,
 plain F.linear. The native op's weights sit where the model puts them, in
 one buffer on transparent huge pages (layers.move_packed_onto_huge_pages);
 `--native-pages huge 4k` also times them on ordinary 4 KiB pages
-("native-4k"). The kernels take turns, case by case, twice; the median of
+("native-4k"); `--native-amx on off` also times the native op with
+brgemm taking the calls of 17-48 rows its own AMX loop takes in the model
+("native-brgemm"). The kernels take turns, case by case, twice; the median of
 each kernel's timed steps is reported, with the weights' read rate and, next
 to it, the read bandwidth measured on the spot. The table is printed and
 appended, with the command and date, to bench/RESULTS.md.
@@ -82,13 +84,22 @@ def weight_bytes(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class Variant:
-    """A kernel, and for the native one where its weights sit."""
+    """A kernel, and for the native one where its weights sit and whether its
+    own AMX loop takes the calls of 17-48 rows (else brgemm takes them all)."""
     kernel: MatmulKernel
     huge_pages: bool = True
+    amx: bool = True
 
     @property
     def value(self) -> str:  # the label in the table
-        return self.kernel.value + ("" if self.huge_pages or self.kernel is not MatmulKernel.NATIVE else "-4k")
+        if self.kernel is not MatmulKernel.NATIVE:
+            return self.kernel.value
+        return self.kernel.value + ("" if self.huge_pages else "-4k") + ("" if self.amx else "-brgemm")
+
+    def select(self) -> None:
+        """Switch the native op to this variant's loop (a process-wide setting)."""
+        if self.kernel is MatmulKernel.NATIVE:
+            native_layers_op(torch.device("cpu")).set_amx(self.amx)
 
 
 @torch.inference_mode()
@@ -100,11 +111,13 @@ def run(dtype: torch.dtype, rows: list[int], kernels: list[Variant], steps: int)
         x = torch.randn(n, HIDDEN, generator=gen).to(dtype)
         for _ in range(2):  # the kernels take turns, twice
             for k in kernels:
+                k.select()
                 step(models[k], x)  # warm-up
                 for _ in range(steps):
                     start = time.perf_counter()
                     step(models[k], x)
                     times.setdefault((k, n), []).append(time.perf_counter() - start)
+        Variant(MatmulKernel.NATIVE).select()  # back to the default
         print("  rows %5d: " % n + ", ".join(f"{k.value} {1e3 * statistics.median(times[(k, n)]):.2f} ms"
                                              for k in kernels), flush=True)
     return {key: statistics.median(v) for key, v in times.items()}
@@ -149,12 +162,17 @@ def main(argv: list[str] | None = None) -> None:
                    default=[k.value for k in MatmulKernel if k is not MatmulKernel.TORCH])
     p.add_argument("--native-pages", nargs="+", choices=["huge", "4k"], default=["huge"],
                    help="where the native op's weights sit: huge pages (as in the model), 4 KiB pages, or both")
+    p.add_argument("--native-amx", nargs="+", choices=["on", "off"], default=["on"],
+                   help="whether the native op's own AMX loop takes 17-48 rows (on, as in the model) or brgemm "
+                        "takes every call (off), or both")
     p.add_argument("--steps", type=int, default=5, help="timed steps per kernel and turn")
     p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    kernels = [Variant(MatmulKernel(k), page == "huge") for k in args.kernels
-               for page in (args.native_pages if k == MatmulKernel.NATIVE.value else ["huge"])]
+    native = MatmulKernel.NATIVE.value
+    kernels = [Variant(MatmulKernel(k), page == "huge", amx == "on") for k in args.kernels
+               for page in (args.native_pages if k == native else ["huge"])
+               for amx in (args.native_amx if k == native else ["on"])]
     skipped = [k for k in kernels if not available(k.kernel, dtype)]
     for k in skipped:
         print(f"skipped: no {k.value} matmul for {args.dtype} on this machine")

@@ -48,6 +48,11 @@
 #define BS_LINEAR 1
 #include <immintrin.h>
 #endif
+#if defined(BS_LINEAR) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define BS_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -56,6 +61,23 @@ constexpr int64_t BN = 64;
 bool supported() {
 #ifdef BS_LINEAR
   return at::native::cpublas::could_pack(at::kBFloat16);
+#else
+  return false;
+#endif
+}
+
+// The AMX loop below (17 to 48 rows) where the CPU has AMX and Linux grants
+// its state to this process; brgemm alone otherwise. Switchable off for
+// benchmarks and tests.
+bool amx_enabled = true;
+constexpr int64_t kAmxMinRows = 17, kAmxMaxRows = 48;
+
+bool amx_usable() {
+#ifdef BS_AMX
+  // Linux hands out the AMX tile state only to a process that asks for it
+  static const bool granted = supported() && __builtin_cpu_supports("amx-bf16") &&
+                              syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return amx_enabled && granted;
 #else
   return false;
 #endif
@@ -143,6 +165,81 @@ inline void normalize_row(const at::BFloat16* in, at::BFloat16* out, int64_t H, 
   }
 }
 
+
+#ifdef BS_AMX
+// ---- the AMX loop for 17 to 48 rows ---------------------------------------------------------
+// brgemm is slower there than at 16 rows by more than the extra products
+// (the model's matmuls at 17 rows 16.5 ms against 12.7 at 16). This loop
+// takes a block's rows 16 at a time against its whole 64 columns: the
+// model's matmuls (python -m bench.linear_bench's step, one process, the two
+// alternated, 2026-12-02) at 17 / 24 / 32 / 40 / 48 rows took 15.5 / 15.6 /
+// 16.0 / 18.7 / 19.3 ms against brgemm's 16.5 / 16.6 / 17.1 / 20.0 / 19.9;
+// at 56 and 64 rows 2% slower, at 1-16 rows 4-8% slower, so brgemm keeps
+// those. The products are the same, in the same order: bit-identical to
+// brgemm's. Measured and not kept: T0/T1 prefetch of the weights 2-16 KiB
+// ahead (no gain, slower at 64 rows); sub-blocks of 16 columns packed
+// contiguously with every weight tile used by all row tiles at once (no
+// gain at 64 rows, 16% slower at 256: brgemm then has to run on 16 columns).
+//
+// Tiles: tmm0-3 C (16 rows x 16 columns each: the block's 64), tmm4/7 A (16
+// rows x 32 deep, alternating between K steps), tmm5/6 B (16 K pairs x 16
+// columns of the block's VNNI layout, alternating). A K step reads the
+// block's 4 KiB of weights for it in order; a row tile of fewer than 16 rows
+// reads a zero-padded copy (its extra rows' results are never stored).
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void configure_tiles() {
+  TileConfig cfg;  // every tile 16 rows of 64 bytes
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One K step: A (tile TA) times the block's four B tiles into C0-3.
+#define BS_AMX_STEP(TA, k)                                 \
+  do {                                                     \
+    const at::BFloat16* wk = w + (k) * BN;                 \
+    _tile_loadd(TA, a + (k), lda);                         \
+    _tile_loadd(5, wk, BN * 4);                            \
+    _tile_dpbf16ps(0, TA, 5);                              \
+    _tile_loadd(6, wk + 32, BN * 4);                       \
+    _tile_dpbf16ps(1, TA, 6);                              \
+    _tile_loadd(5, wk + 64, BN * 4);                       \
+    _tile_dpbf16ps(2, TA, 5);                              \
+    _tile_loadd(6, wk + 96, BN * 4);                       \
+    _tile_dpbf16ps(3, TA, 6);                              \
+  } while (0)
+
+// c [16, BN] float32 (row stride BN) = 16 rows a (row stride lda bytes) @ one
+// packed block w [K/2, BN, 2].
+inline void amx_row_tile(const at::BFloat16* a, int64_t lda, const at::BFloat16* w, int64_t K, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    BS_AMX_STEP(4, k);
+    BS_AMX_STEP(7, k + 32);
+  }
+  if (k < K) BS_AMX_STEP(4, k);
+  _tile_stored(0, c, BN * 4);
+  _tile_stored(1, c + 16, BN * 4);
+  _tile_stored(2, c + 32, BN * 4);
+  _tile_stored(3, c + 48, BN * 4);
+}
+#undef BS_AMX_STEP
+#endif  // BS_AMX
+
 #endif  // BS_LINEAR
 
 inline int threads_for(int64_t items) {
@@ -183,6 +280,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, bool 
                    add ? reinterpret_cast<const at::BFloat16*>(add->data_ptr()) : nullptr, add ? add->stride(0) : 0,
                    gated, float_out};
   const int64_t ld_in = x.stride(0), ldx = norm ? K : ld_in, ldy = y.stride(0);
+  // the AMX loop for a few rows (see above); brgemm from there on
+  const bool amx = M >= kAmxMinRows && M <= kAmxMaxRows && K % 32 == 0 && amx_usable();
+  const int64_t full_rows = M / 16 * 16;  // rows in whole 16-row tiles; the rest (AMX) read a padded copy
 #pragma omp parallel num_threads(threads_for(tasks))
   {
     if (norm) {
@@ -191,9 +291,32 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, bool 
         normalize_row(x_in + r * ld_in, xn_p + r * K, K, static_cast<float>(norm_eps));
     }
     std::vector<float> c(per_task * tile * BN);
+#ifdef BS_AMX
+    std::vector<at::BFloat16> pad;
+    if (amx) {
+      configure_tiles();
+      if (full_rows < M) {
+        pad.assign(16 * K, at::BFloat16(0.0f));
+        for (int64_t r = full_rows; r < M; ++r)
+          std::copy(xp + r * ldx, xp + r * ldx + K, pad.data() + (r - full_rows) * K);
+      }
+    }
+#endif
 #pragma omp for schedule(dynamic, 1)  // a thread that loses its core for a moment leaves its blocks to the other (quiet: as fast as static)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t unit = t / tiles, row0 = (t % tiles) * tile, rows = std::min(tile, M - row0);
+#ifdef BS_AMX
+      if (amx) {
+        for (int64_t h = 0; h < per_task; ++h) {
+          const at::BFloat16* wb = wp + (unit * per_task + h) * K * BN;
+          for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+            const bool whole = row0 + m0 + 16 <= full_rows;
+            amx_row_tile(whole ? xp + (row0 + m0) * ldx : pad.data(), (whole ? ldx : K) * 2, wb, K,
+                         c.data() + h * tile * BN + m0 * BN);
+          }
+        }
+      } else
+#endif
       for (int64_t h = 0; h < per_task; ++h) {
         const int64_t b = unit * per_task + h;
         at::native::cpublas::brgemm(rows, BN, K, ldx, BN, BN, false, xp + row0 * ldx, wp + b * K * BN,
@@ -203,7 +326,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, bool 
       finish_tile(c.data(), rows, tile, e.bias ? e.bias + unit * per_task * BN : nullptr, e, yp, ldy, row0, col0,
                   std::min(BN, n_out - col0));
     }
-    at::native::cpublas::brgemm_release();
+#ifdef BS_AMX
+    if (amx) _tile_release();
+    else
+#endif
+      at::native::cpublas::brgemm_release();
   }
 #endif
   return y;
@@ -318,4 +445,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"));
   m.def("supported", &supported, "whether this build and CPU can run it (AMX or AVX512_BF16)");
   m.attr("block_columns") = BN;
+  m.def("set_amx", [](bool on) { amx_enabled = on; },
+        "whether the AMX loop takes 17-48 rows where it can run (the default), or brgemm every call");
+  m.def("amx_enabled", [] { return amx_enabled; }, "the switch set_amx sets");
 }

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bench import linear_bench
+from model_proc.layers import native_layers_op
 
 
 def test_every_available_kernel_is_timed_and_compared(capsys):
@@ -27,3 +29,15 @@ def test_native_pages_both_times_the_weights_on_huge_and_4k_pages(capsys):
         pytest.skip("no native matmul here: needs AVX512_BF16 or AMX and a C++ compiler")
     header = out[out.index("| rows |"):].splitlines()[0]
     assert header == "| rows | native ms (GB/s) | native-4k ms (GB/s) | native-4k / native |"
+
+
+def test_native_amx_both_times_the_amx_loop_and_brgemm_and_leaves_the_default_on(capsys):
+    linear_bench.main(["--rows", "20", "--steps", "1", "--kernels", "native", "--native-amx", "on", "off",
+                       "--no-write"])
+    out = capsys.readouterr().out
+    if "skipped: no native matmul" in out:
+        pytest.skip("no native matmul here: needs AVX512_BF16 or AMX and a C++ compiler")
+    header = out[out.index("| rows |"):].splitlines()[0]
+    assert header == "| rows | native ms (GB/s) | native-brgemm ms (GB/s) | native-brgemm / native |"
+    # the process-wide switch is back on, as the model runs
+    assert native_layers_op(torch.device("cpu")).amx_enabled()
