@@ -183,7 +183,9 @@ def report(runner: ModelRunner, command: str, steps: int, bandwidth: float, head
             f"bandwidth measured before the cases: {bandwidth / 1e9:.1f} GB/s (best `sum` over 512 MiB); "
             f"attention floor = K + V of every row and layer read once at that rate; share at the floor = "
             f"floor / (step - attention + floor). KV pool on {'transparent huge pages' if huge_pages else '4 KiB pages'} "
-            f"(every backend); each row on slots drawn at random from the pool (a random permutation).\n\n{table}\n")
+            f"(every backend); each row on slots drawn at random from the pool (a random permutation). Steps "
+            f"run the model's modules layer by layer, where the attention calls can be timed (a server's decode "
+            f"steps take the native decoder, the same ops in one native call: bench/step_bench.py times those).\n\n{table}\n")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,10 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_proc.attention import AttentionBackend, AttentionMetadata
+from model_proc.attention import AttentionBackend, AttentionMetadata, NativeAttnBackend, TorchAttnMetadata
 from model_proc.batch_invariant import pad_rows, padded_rows
-from model_proc.layers import (HooklessModule, Linear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
-                               apply_rope_, fold_norm_weight, move_packed_onto_huge_pages)
+from model_proc.layers import (HooklessModule, Linear, MatmulKernel, ParallelLMHead, RowParallelLinear,
+                               VocabParallelEmbedding, apply_rope_, fold_norm_weight, move_packed_onto_huge_pages,
+                               native_layers_op)
 from model_proc.parallel import SINGLE, TensorParallel, shard_heads, shard_range
 from model_proc.weights import CheckpointReader
 
@@ -208,7 +209,22 @@ class DecoderLayer(HooklessModule):
         return self.mlp(self.self_attn(x, cos, sin, meta))
 
 
+@dataclass
+class NativeDecoder:
+    """A decode step's decoder layers as one native call (layers.cpp
+    `DecoderStack`): the same ops as the modules' forward, in the same order
+    and on the same tensors, so the same bits, without Python between them.
+    Built for one attention backend's KV pool: the model takes it only while
+    its layers still use that backend."""
+    stack: Any  # layers.cpp DecoderStack
+    backend: AttentionBackend
+
+
 class LlamaForCausalLM(nn.Module):
+    # Switch for benchmarks and tests: False keeps decode steps on the modules'
+    # forward (what the native decoder replaces; also where per-layer hooks see them).
+    use_native_decoder = True
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
                  deterministic: bool = False, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -225,6 +241,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.batch_invariant = deterministic
+        self.native_decoder: NativeDecoder | None = None  # set by load_weights where it can run
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, extra_index: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,8 +256,13 @@ class LlamaForCausalLM(nn.Module):
             input_ids, positions = pad_rows(input_ids, rows), pad_rows(positions, rows)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, meta)
+        native = self.native_decoder
+        if native is not None and type(meta) is TorchAttnMetadata and meta.is_decode and self.use_native_decoder \
+                and self.layers[0].self_attn.backend is native.backend:
+            x = native.stack.forward(x, cos, sin, meta.kv_indptr, meta.kv_indices, meta.max_len, meta.out_cache_loc)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, meta)
         # only the last token of each row is sampled: skip the rest of the
         # (vocab-sized) head for the prompt tokens of an extend
         last = x[:num_tokens] if meta.is_decode else x[meta.qo_indptr[1:] - 1]
@@ -310,3 +332,26 @@ class LlamaForCausalLM(nn.Module):
         for lin in linears:
             lin.prepare()
         move_packed_onto_huge_pages(linears)
+        self.native_decoder = self._make_native_decoder()
+
+    def _make_native_decoder(self) -> NativeDecoder | None:
+        """The native decoder where every piece of a decode step is native here
+        (bfloat16 matmuls and rotary, the native attention op), on one rank and
+        without --deterministic (its fixed-size row blocks are Python's)."""
+        backend = self.layers[0].self_attn.backend
+        layer_linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
+        if self.tp.size > 1 or self.deterministic or not isinstance(backend, NativeAttnBackend) \
+                or backend.op is None or any(lin.kernel is not MatmulKernel.NATIVE for lin in layer_linears):
+            return None
+        op = native_layers_op(self.embed_tokens.weight.device)
+        attn0 = self.layers[0].self_attn
+        cfg = self.cfg
+        stack = op.DecoderStack(backend.op.decode_fn, attn0.num_heads, attn0.num_kv_heads, cfg.head_dim,
+                                cfg.hidden_size, self.layers[0].mlp.inter, cfg.rms_norm_eps, backend.scale)
+        pool = backend.kv_pool
+        for i, layer in enumerate(self.layers):
+            a, m = layer.self_attn, layer.mlp
+            stack.add_layer(a.qkv_proj.packed, a.qkv_proj.packed_bias, a.o_proj.packed, a.o_proj.packed_bias,
+                            m.gate_up_proj.packed, m.gate_up_proj.packed_bias, m.down_proj.packed,
+                            m.down_proj.packed_bias, pool.k_buffer[i], pool.v_buffer[i])
+        return NativeDecoder(stack, backend)

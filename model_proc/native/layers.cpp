@@ -431,6 +431,78 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// ---- a decode step's decoder layers in one call -------------------------------------------
+// What model.py's layers do for a decode step (the native path: bfloat16,
+// one rank), without returning to Python between ops: per layer the fused
+// q/k/v matmul with the input norm, rotary on q and k, the KV store and
+// decode attention (attention.cpp's `decode`, called through its address),
+// o_proj + the residual, gate/up with the post-attention norm, down_proj +
+// the residual. Same ops, same arguments, same order as the Python path:
+// the same bits. Python's part of a step was ~40 us a layer (module calls,
+// views, argument checks).
+
+using DecodeAttention = at::Tensor (*)(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       const at::Tensor&, const at::Tensor&, double, int64_t, const at::Tensor&,
+                                       const at::Tensor&, const at::Tensor&);
+
+class DecoderStack {
+ public:
+  DecoderStack(const pybind11::capsule& decode, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+               int64_t hidden, int64_t inter, double eps, double scale)
+      : decode_(reinterpret_cast<DecodeAttention>(decode.get_pointer())), q_heads_(q_heads), kv_heads_(kv_heads),
+        head_dim_(head_dim), hidden_(hidden), inter_(inter), eps_(eps), scale_(scale) {
+    TORCH_CHECK(std::string(decode.name()) == "batchserve.attention.decode", "not the attention module's decode_fn");
+  }
+
+  // one decoder layer's packed weights (Linear.packed / packed_bias) and its KV buffers
+  void add_layer(at::Tensor qkv, c10::optional<at::Tensor> qkv_bias, at::Tensor o, c10::optional<at::Tensor> o_bias,
+                 at::Tensor gate_up, c10::optional<at::Tensor> gate_up_bias, at::Tensor down,
+                 c10::optional<at::Tensor> down_bias, at::Tensor k_buf, at::Tensor v_buf) {
+    layers_.push_back({std::move(qkv), std::move(qkv_bias), std::move(o), std::move(o_bias), std::move(gate_up),
+                       std::move(gate_up_bias), std::move(down), std::move(down_bias), std::move(k_buf),
+                       std::move(v_buf)});
+  }
+
+  // x [rows, hidden] (one token a row) -> the last layer's output
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_indptr,
+                     const at::Tensor& kv_indices, int64_t max_len, const at::Tensor& loc) const {
+    const int64_t n = x.size(0), q_size = q_heads_ * head_dim_;
+    const c10::optional<at::Tensor> none;
+    for (const Layer& L : layers_) {
+      const at::Tensor heads = linear(x, L.qkv, q_size + 2 * kv_heads_ * head_dim_, false, L.qkv_bias, none, false,
+                                      eps_).view({n, q_heads_ + 2 * kv_heads_, head_dim_});
+      rope_(heads.narrow(1, 0, q_heads_ + kv_heads_), cos, sin);
+      const at::Tensor q = heads.narrow(1, 0, q_heads_);
+      at::Tensor o = at::empty({n, q_heads_, head_dim_}, x.options());
+      decode_(o, q, L.k_buf, L.v_buf, kv_indptr, kv_indices, scale_, max_len, heads.narrow(1, q_heads_, kv_heads_),
+              heads.narrow(1, q_heads_ + kv_heads_, kv_heads_), loc);
+      x = linear(o.view({n, q_size}), L.o, hidden_, false, L.o_bias, x, false, -1.0);
+      x = linear(linear(x, L.gate_up, inter_, true, L.gate_up_bias, none, false, eps_), L.down, hidden_, false,
+                 L.down_bias, x, false, -1.0);
+    }
+    return x;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  struct Layer {
+    at::Tensor qkv;
+    c10::optional<at::Tensor> qkv_bias;
+    at::Tensor o;
+    c10::optional<at::Tensor> o_bias;
+    at::Tensor gate_up;
+    c10::optional<at::Tensor> gate_up_bias;
+    at::Tensor down;
+    c10::optional<at::Tensor> down_bias;
+    at::Tensor k_buf, v_buf;
+  };
+  DecodeAttention decode_;
+  int64_t q_heads_, kv_heads_, head_dim_, hidden_, inter_;
+  double eps_, scale_;
+  std::vector<Layer> layers_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -445,6 +517,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"));
   m.def("supported", &supported, "whether this build and CPU can run it (AMX or AVX512_BF16)");
   m.attr("block_columns") = BN;
+  py::class_<DecoderStack>(m, "DecoderStack", "a decode step's decoder layers in one call (see layers.cpp)")
+      .def(py::init<const py::capsule&, int64_t, int64_t, int64_t, int64_t, int64_t, double, double>(),
+           py::arg("decode_fn"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("hidden"),
+           py::arg("inter"), py::arg("eps"), py::arg("scale"))
+      .def("add_layer", &DecoderStack::add_layer, py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"),
+           py::arg("o_bias"), py::arg("gate_up"), py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"),
+           py::arg("k_buf"), py::arg("v_buf"))
+      .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kv_indptr"),
+           py::arg("kv_indices"), py::arg("max_len"), py::arg("loc"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_layers", &DecoderStack::num_layers);
   m.def("set_amx", [](bool on) { amx_enabled = on; },
         "whether the AMX loop takes 17-48 rows where it can run (the default), or brgemm every call");
   m.def("amx_enabled", [] { return amx_enabled; }, "the switch set_amx sets");
