@@ -10,7 +10,9 @@ matmul and gate/up another; each RMSNorm's weight is folded into the matmul
 that follows it, and the norm itself runs inside that matmul's call where the
 kernel can; rotary is applied in place to q and k together; the residual
 adds and SiLU(gate) * up are fused into the matmuls where the kernel can
-(layers.py).
+(layers.py). A decode step whose every piece is native (bfloat16 on a CPU
+with the native attention backend, one rank) runs its decoder layers as one
+native call (`NativeDecoder`): the same ops, without Python between them.
 
 Tensor parallelism (`--tp-size`, model_proc/parallel.py): each rank builds
 this model with its own share: its query and KV heads (the KV pool holds only

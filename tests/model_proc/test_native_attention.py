@@ -92,6 +92,19 @@ def test_decode_over_ragged_rows_equals_torch(dtype: torch.dtype, group: int, he
 
 
 @needs_op
+def test_a_lone_short_row_is_split_between_threads() -> None:
+    """One row of a few hundred keys (a single user) is split so that every
+    thread gets some of it; no split under 64 keys; many rows need none."""
+    op, threads = native.load(), torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("one thread: nothing to share")
+    assert op.choose_splits(1, 128) >= 2 and op.choose_splits(1, 256) >= 2
+    assert op.choose_splits(1, 127) == 1
+    assert 256 // op.choose_splits(1, 256) >= 64
+    assert op.choose_splits(4 * threads, 256) == 1
+
+
+@needs_op
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[2048], [1, 2048], [300, 7]])
 def test_decode_with_kv_splits_equals_torch(dtype: torch.dtype, lens: list[int]) -> None:
