@@ -44,6 +44,7 @@ from bench.machine_rates import matmul_rate
 from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
 from model_proc.attention import TorchAttnBackend, TorchAttnMetadata
+from model_proc.model import LlamaForCausalLM
 from model_proc.runner import ModelRunner
 
 RESULTS = os.path.join(os.path.dirname(__file__), "RESULTS.md")
@@ -100,12 +101,17 @@ def seconds_of(runner: ModelRunner, batches: list[ForwardBatch], way: str) -> fl
         backend.native_extend = way == "op"
     if way == "before":
         backend._extend = extend_masked.__get__(backend)  # type: ignore[method-assign]
+    # every way runs the model's modules layer by layer, so that only their
+    # attention differs (a server's steps take the native decoder, the same
+    # ops in one native call where the extend is the op's)
+    LlamaForCausalLM.use_native_decoder = False
     try:
         start = time.perf_counter()
         for fb in batches:
             runner.compute_logits(fb)
         return time.perf_counter() - start
     finally:
+        LlamaForCausalLM.use_native_decoder = True
         backend.__dict__.pop("_extend", None)
         if native is not None:
             backend.native_extend = native

@@ -10,9 +10,9 @@ matmul and gate/up another; each RMSNorm's weight is folded into the matmul
 that follows it, and the norm itself runs inside that matmul's call where the
 kernel can; rotary is applied in place to q and k together; the residual
 adds and SiLU(gate) * up are fused into the matmuls where the kernel can
-(layers.py). A decode step whose every piece is native (bfloat16 on a CPU
-with the native attention backend, one rank) runs its decoder layers as one
-native call (`NativeDecoder`): the same ops, without Python between them.
+(layers.py). A step whose every piece is native (bfloat16 on a CPU with the
+native attention backend, one rank) runs its decoder layers as one native
+call (`NativeDecoder`): the same ops, without Python between them.
 
 Tensor parallelism (`--tp-size`, model_proc/parallel.py): each rank builds
 this model with its own share: its query and KV heads (the KV pool holds only
@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_proc.attention import AttentionBackend, AttentionMetadata, NativeAttnBackend, TorchAttnMetadata
+from model_proc.attention import (AttentionBackend, AttentionMetadata, MixedAttnMetadata, NativeAttnBackend,
+                                  TorchAttnMetadata)
 from model_proc.batch_invariant import pad_rows, padded_rows
 from model_proc.layers import (HooklessModule, Linear, MatmulKernel, ParallelLMHead, RowParallelLinear,
                                VocabParallelEmbedding, apply_rope_, fold_norm_weight, move_packed_onto_huge_pages,
@@ -213,17 +214,42 @@ class DecoderLayer(HooklessModule):
 
 @dataclass
 class NativeDecoder:
-    """A decode step's decoder layers as one native call (layers.cpp
-    `DecoderStack`): the same ops as the modules' forward, in the same order
-    and on the same tensors, so the same bits, without Python between them.
-    Built for one attention backend's KV pool: the model takes it only while
-    its layers still use that backend."""
+    """A step's decoder layers as one native call (layers.cpp `DecoderStack`):
+    the same ops as the modules' forward, in the same order and on the same
+    tensors, so the same bits, without Python between them. Built for one
+    native attention backend's KV pool: the model takes it only while its
+    layers still use that backend, and for steps whose attention is all the
+    op's (decode rows always; extend rows where the backend's
+    `native_extend` is on)."""
+    op: Any  # the layers module, for its AttnPart
     stack: Any  # layers.cpp DecoderStack
-    backend: AttentionBackend
+    backend: NativeAttnBackend
+
+    def parts(self, meta: AttentionMetadata, tokens: int) -> list[Any] | None:
+        """The step's attention parts for the stack, or None where the
+        modules must run it (an extend on the torch path)."""
+        if type(meta) is TorchAttnMetadata:
+            if meta.is_decode:
+                return [self._part(meta, 0, tokens)]
+            return [self._part(meta, 0, tokens)] if self.backend.native_extend else None
+        if type(meta) is MixedAttnMetadata:
+            # a mixed step: its extend rows' tokens first, then its decoding rows'
+            t = meta.decode_token
+            if meta.extend is None:
+                return [self._part(meta.decode, 0, tokens)]
+            if not self.backend.native_extend:
+                return None
+            return [self._part(meta.extend, 0, t), self._part(meta.decode, t, tokens - t)]
+        return None
+
+    def _part(self, meta: TorchAttnMetadata, start: int, count: int) -> Any:
+        decode = meta.is_decode
+        return self.op.AttnPart(decode, start, count, meta.max_len, None if decode else meta.qo_indptr,
+                                meta.kv_indptr, meta.kv_indices, meta.out_cache_loc)
 
 
 class LlamaForCausalLM(nn.Module):
-    # Switch for benchmarks and tests: False keeps decode steps on the modules'
+    # Switch for benchmarks and tests: False keeps every step on the modules'
     # forward (what the native decoder replaces; also where per-layer hooks see them).
     use_native_decoder = True
 
@@ -259,9 +285,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         native = self.native_decoder
-        if native is not None and type(meta) is TorchAttnMetadata and meta.is_decode and self.use_native_decoder \
-                and self.layers[0].self_attn.backend is native.backend:
-            x = native.stack.forward(x, cos, sin, meta.kv_indptr, meta.kv_indices, meta.max_len, meta.out_cache_loc)
+        parts = native.parts(meta, num_tokens) if native is not None and self.use_native_decoder \
+            and self.layers[0].self_attn.backend is native.backend else None
+        if parts is not None:
+            x = native.stack.forward(x, cos, sin, parts)
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, meta)
@@ -337,7 +364,7 @@ class LlamaForCausalLM(nn.Module):
         self.native_decoder = self._make_native_decoder()
 
     def _make_native_decoder(self) -> NativeDecoder | None:
-        """The native decoder where every piece of a decode step is native here
+        """The native decoder where every piece of a step is native here
         (bfloat16 matmuls and rotary, the native attention op), on one rank and
         without --deterministic (its fixed-size row blocks are Python's)."""
         backend = self.layers[0].self_attn.backend
@@ -348,12 +375,13 @@ class LlamaForCausalLM(nn.Module):
         op = native_layers_op(self.embed_tokens.weight.device)
         attn0 = self.layers[0].self_attn
         cfg = self.cfg
-        stack = op.DecoderStack(backend.op.decode_fn, attn0.num_heads, attn0.num_kv_heads, cfg.head_dim,
-                                cfg.hidden_size, self.layers[0].mlp.inter, cfg.rms_norm_eps, backend.scale)
+        stack = op.DecoderStack(backend.op.decode_fn, backend.op.extend_fn, attn0.num_heads, attn0.num_kv_heads,
+                                cfg.head_dim, cfg.hidden_size, self.layers[0].mlp.inter, cfg.rms_norm_eps,
+                                backend.scale)
         pool = backend.kv_pool
         for i, layer in enumerate(self.layers):
             a, m = layer.self_attn, layer.mlp
             stack.add_layer(a.qkv_proj.packed, a.qkv_proj.packed_bias, a.o_proj.packed, a.o_proj.packed_bias,
                             m.gate_up_proj.packed, m.gate_up_proj.packed_bias, m.down_proj.packed,
                             m.down_proj.packed_bias, pool.k_buffer[i], pool.v_buffer[i])
-        return NativeDecoder(stack, backend)
+        return NativeDecoder(op, stack, backend)

@@ -912,10 +912,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("qo_indptr"),
         py::arg("kv_indptr"), py::arg("kv_indices"), py::arg("scale"), py::arg("k_new"), py::arg("v_new"),
         py::arg("loc"), py::call_guard<py::gil_scoped_release>());
-  // decode's address, for the layers module's decoder loop (layers.cpp
+  // decode's and extend's addresses, for the layers module's decoder loop (layers.cpp
   // DecoderStack) to call without a round trip through Python: both modules
   // link the same libtorch, so the tensors pass as they are
   m.attr("decode_fn") = py::capsule(reinterpret_cast<void*>(&decode), "batchserve.attention.decode");
+  m.attr("extend_fn") = py::capsule(reinterpret_cast<void*>(&extend), "batchserve.attention.extend");
   m.def("supports", &supports, "whether a kernel exists for this dtype name and head_dim");
   m.def("choose_splits", &choose_splits, "KV splits a decode step uses");
   m.def("extend_on_matrix_units", &extend_on_matrix_units,

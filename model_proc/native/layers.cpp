@@ -33,6 +33,7 @@
 // in torch.
 
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -431,28 +432,47 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-// ---- a decode step's decoder layers in one call -------------------------------------------
-// What model.py's layers do for a decode step (the native path: bfloat16,
-// one rank), without returning to Python between ops: per layer the fused
-// q/k/v matmul with the input norm, rotary on q and k, the KV store and
-// decode attention (attention.cpp's `decode`, called through its address),
-// o_proj + the residual, gate/up with the post-attention norm, down_proj +
-// the residual. Same ops, same arguments, same order as the Python path:
-// the same bits. Python's part of a step was ~40 us a layer (module calls,
-// views, argument checks).
+// ---- a step's decoder layers in one call ---------------------------------------------------
+// What model.py's layers do for a step (the native path: bfloat16, one rank),
+// without returning to Python between ops: per layer the fused q/k/v matmul
+// with the input norm, rotary on q and k, the KV store and attention
+// (attention.cpp's `decode` / `extend`, called through their addresses, over
+// the step's parts: one, or a mixed step's extend rows then its decoding
+// rows), o_proj + the residual, gate/up with the post-attention norm,
+// down_proj + the residual. Same ops, same arguments, same order as the
+// Python path: the same bits. Python's part of a step was ~40 us a layer
+// (module calls, views, argument checks) and a GIL release and re-acquire
+// around every native call.
 
-using DecodeAttention = at::Tensor (*)(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                       const at::Tensor&, const at::Tensor&, double, int64_t, const at::Tensor&,
-                                       const at::Tensor&, const at::Tensor&);
+using AttentionFn = at::Tensor (*)(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                   const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using DecodeFn = at::Tensor (*)(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, double, int64_t, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&);
+
+// Tokens [start, start + count) of a step and the attention metadata of their
+// rows: decode (one token a row; kv_indptr, kv_indices, max_len) or extend
+// (qo_indptr too). loc: their KV slots.
+struct AttnPart {
+  bool decode;
+  int64_t start, count, max_len;
+  at::Tensor qo_indptr, kv_indptr, kv_indices, loc;
+};
+
+template <typename Fn>
+Fn capsule_fn(const pybind11::capsule& c, const char* name) {
+  TORCH_CHECK(std::string(c.name()) == name, "expected the attention module's ", name);
+  return reinterpret_cast<Fn>(c.get_pointer());
+}
 
 class DecoderStack {
  public:
-  DecoderStack(const pybind11::capsule& decode, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-               int64_t hidden, int64_t inter, double eps, double scale)
-      : decode_(reinterpret_cast<DecodeAttention>(decode.get_pointer())), q_heads_(q_heads), kv_heads_(kv_heads),
-        head_dim_(head_dim), hidden_(hidden), inter_(inter), eps_(eps), scale_(scale) {
-    TORCH_CHECK(std::string(decode.name()) == "batchserve.attention.decode", "not the attention module's decode_fn");
-  }
+  DecoderStack(const pybind11::capsule& decode, const pybind11::capsule& extend, int64_t q_heads, int64_t kv_heads,
+               int64_t head_dim, int64_t hidden, int64_t inter, double eps, double scale)
+      : decode_(capsule_fn<DecodeFn>(decode, "batchserve.attention.decode")),
+        extend_(capsule_fn<AttentionFn>(extend, "batchserve.attention.extend")), q_heads_(q_heads),
+        kv_heads_(kv_heads), head_dim_(head_dim), hidden_(hidden), inter_(inter), eps_(eps), scale_(scale) {}
 
   // one decoder layer's packed weights (Linear.packed / packed_bias) and its KV buffers
   void add_layer(at::Tensor qkv, c10::optional<at::Tensor> qkv_bias, at::Tensor o, c10::optional<at::Tensor> o_bias,
@@ -463,19 +483,33 @@ class DecoderStack {
                        std::move(v_buf)});
   }
 
-  // x [rows, hidden] (one token a row) -> the last layer's output
-  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_indptr,
-                     const at::Tensor& kv_indices, int64_t max_len, const at::Tensor& loc) const {
+  // x [tokens, hidden] -> the last layer's output; parts cover the tokens in order
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<AttnPart>& parts) const {
     const int64_t n = x.size(0), q_size = q_heads_ * head_dim_;
+    int64_t covered = 0;
+    for (const AttnPart& p : parts) {
+      TORCH_CHECK(p.start == covered && p.count >= 0, "attention parts must cover the tokens in order");
+      covered += p.count;
+    }
+    TORCH_CHECK(covered == n, "attention parts cover ", covered, " tokens of ", n);
     const c10::optional<at::Tensor> none;
     for (const Layer& L : layers_) {
       const at::Tensor heads = linear(x, L.qkv, q_size + 2 * kv_heads_ * head_dim_, false, L.qkv_bias, none, false,
                                       eps_).view({n, q_heads_ + 2 * kv_heads_, head_dim_});
       rope_(heads.narrow(1, 0, q_heads_ + kv_heads_), cos, sin);
-      const at::Tensor q = heads.narrow(1, 0, q_heads_);
       at::Tensor o = at::empty({n, q_heads_, head_dim_}, x.options());
-      decode_(o, q, L.k_buf, L.v_buf, kv_indptr, kv_indices, scale_, max_len, heads.narrow(1, q_heads_, kv_heads_),
-              heads.narrow(1, q_heads_ + kv_heads_, kv_heads_), loc);
+      for (const AttnPart& p : parts) {
+        const at::Tensor rows = heads.narrow(0, p.start, p.count);
+        const at::Tensor q = rows.narrow(1, 0, q_heads_), k = rows.narrow(1, q_heads_, kv_heads_),
+                         v = rows.narrow(1, q_heads_ + kv_heads_, kv_heads_);
+        at::Tensor out = o.narrow(0, p.start, p.count);
+        if (p.decode) {
+          decode_(out, q, L.k_buf, L.v_buf, p.kv_indptr, p.kv_indices, scale_, p.max_len, k, v, p.loc);
+        } else {
+          extend_(out, q, L.k_buf, L.v_buf, p.qo_indptr, p.kv_indptr, p.kv_indices, scale_, k, v, p.loc);
+        }
+      }
       x = linear(o.view({n, q_size}), L.o, hidden_, false, L.o_bias, x, false, -1.0);
       x = linear(linear(x, L.gate_up, inter_, true, L.gate_up_bias, none, false, eps_), L.down, hidden_, false,
                  L.down_bias, x, false, -1.0);
@@ -497,7 +531,8 @@ class DecoderStack {
     c10::optional<at::Tensor> down_bias;
     at::Tensor k_buf, v_buf;
   };
-  DecodeAttention decode_;
+  DecodeFn decode_;
+  AttentionFn extend_;
   int64_t q_heads_, kv_heads_, head_dim_, hidden_, inter_;
   double eps_, scale_;
   std::vector<Layer> layers_;
@@ -517,15 +552,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"));
   m.def("supported", &supported, "whether this build and CPU can run it (AMX or AVX512_BF16)");
   m.attr("block_columns") = BN;
-  py::class_<DecoderStack>(m, "DecoderStack", "a decode step's decoder layers in one call (see layers.cpp)")
-      .def(py::init<const py::capsule&, int64_t, int64_t, int64_t, int64_t, int64_t, double, double>(),
-           py::arg("decode_fn"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("hidden"),
-           py::arg("inter"), py::arg("eps"), py::arg("scale"))
+  py::class_<AttnPart>(m, "AttnPart", "a step's tokens [start, start + count) and their rows' attention metadata")
+      .def(py::init([](bool decode, int64_t start, int64_t count, int64_t max_len,
+                       const c10::optional<at::Tensor>& qo_indptr, at::Tensor kv_indptr, at::Tensor kv_indices,
+                       at::Tensor loc) {
+             TORCH_CHECK(decode || qo_indptr.has_value(), "an extend part needs qo_indptr");
+             return AttnPart{decode, start, count, max_len, qo_indptr.value_or(at::Tensor()), std::move(kv_indptr),
+                             std::move(kv_indices), std::move(loc)};
+           }),
+           py::arg("decode"), py::arg("start"), py::arg("count"), py::arg("max_len"), py::arg("qo_indptr"),
+           py::arg("kv_indptr"), py::arg("kv_indices"), py::arg("loc"));
+  py::class_<DecoderStack>(m, "DecoderStack", "a step's decoder layers in one call (see layers.cpp)")
+      .def(py::init<const py::capsule&, const py::capsule&, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                    double>(),
+           py::arg("decode_fn"), py::arg("extend_fn"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"),
+           py::arg("hidden"), py::arg("inter"), py::arg("eps"), py::arg("scale"))
       .def("add_layer", &DecoderStack::add_layer, py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"),
            py::arg("o_bias"), py::arg("gate_up"), py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"),
            py::arg("k_buf"), py::arg("v_buf"))
-      .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kv_indptr"),
-           py::arg("kv_indices"), py::arg("max_len"), py::arg("loc"), py::call_guard<py::gil_scoped_release>())
+      .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("parts"),
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &DecoderStack::num_layers);
   m.def("set_amx", [](bool on) { amx_enabled = on; },
         "whether the AMX loop takes 17-48 rows where it can run (the default), or brgemm every call");

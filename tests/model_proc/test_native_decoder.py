@@ -1,5 +1,5 @@
 """The native decoder (model.py NativeDecoder, layers.cpp DecoderStack): a
-decode step's layers in one native call, bit for bit the modules' forward."""
+step's layers in one native call, bit for bit the modules' forward."""
 
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ class CountingStack:
 
 
 def greedy_logits(runner: Any, steps: int) -> list[torch.Tensor]:
-    """Logits of a ragged prefill then `steps` decode steps (scattered slots)."""
+    """Logits of a ragged prefill, `steps` decode steps, then two mixed steps
+    (--enable-mixed-chunk's shape: extend rows first, then rows of one new
+    token; the second with one-token rows only), on scattered slots."""
     driver = RunnerDriver(runner, seed=3)
     rows = [driver.new_row() for _ in range(3)]
     prompts = [[5, 9, 14, 3], list(range(20, 57)), [7]]
@@ -41,26 +43,42 @@ def greedy_logits(runner: Any, steps: int) -> list[torch.Tensor]:
         step_logits = runner.compute_logits(driver.decode(rows, last))
         logits.append(step_logits)
         last = step_logits.argmax(-1).tolist()
+    for new in ([[last[0], 40, 41], [last[1]], [last[2]]], [[8], [9], [10]]):
+        step_logits = runner.compute_logits(driver.extend(rows, new))
+        logits.append(step_logits)
+        last = step_logits.argmax(-1).tolist()
     return logits
+
+
+STEPS = 5  # decode steps; the prefill and two mixed steps come with them
+
+
+def counted(runner: Any) -> CountingStack:
+    native_decoder = runner.model.native_decoder
+    assert isinstance(native_decoder, NativeDecoder)
+    counter = CountingStack(native_decoder.stack)
+    runner.model.native_decoder = NativeDecoder(native_decoder.op, counter, native_decoder.backend)
+    return counter
 
 
 @needs_ops
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"], ids=["llama", "qwen2-bias"])
-def test_native_decoder_equals_the_modules_bit_for_bit(model: str, make_runner: Any, request: Any,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode steps through the native decoder give the logits of the modules'
-    forward exactly (same ops, same order); prefill keeps the modules."""
+@pytest.mark.parametrize("native_extend", [True, False], ids=["op-extend", "torch-extend"])
+def test_native_decoder_equals_the_modules_bit_for_bit(model: str, native_extend: bool, make_runner: Any,
+                                                       request: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps through the native decoder give the logits of the modules'
+    forward exactly (same ops, same order): decode, prefill and mixed steps
+    where the backend's extend is the op's; with extend on the torch path,
+    decode steps and a mixed step of one-token rows only."""
     path = request.getfixturevalue(model)
     runs = {}
     for use in (False, True):
         monkeypatch.setattr(LlamaForCausalLM, "use_native_decoder", use)
         runner = make_runner(path, dtype="bfloat16", attention_backend="native")
-        native_decoder = runner.model.native_decoder
-        assert isinstance(native_decoder, NativeDecoder)
-        counter = CountingStack(native_decoder.stack)
-        runner.model.native_decoder = NativeDecoder(counter, native_decoder.backend)
-        runs[use] = greedy_logits(runner, steps=5)
-        assert counter.calls == (5 if use else 0)
+        runner.attn_backend.native_extend = native_extend
+        counter = counted(runner)
+        runs[use] = greedy_logits(runner, steps=STEPS)
+        assert counter.calls == (0 if not use else STEPS + 3 if native_extend else STEPS + 1)
     for step, (ours, ref) in enumerate(zip(runs[True], runs[False])):
         assert torch.equal(ours, ref), f"step {step}"
 
@@ -70,8 +88,7 @@ def test_native_decoder_steps_aside_for_another_backend(tiny_llama_dir: str, mak
     """A backend swapped in after loading (as bench/attention_bench.py does) is
     the one decode steps use: the native decoder holds the old one's pool."""
     runner = make_runner(tiny_llama_dir, dtype="bfloat16", attention_backend="native")
-    counter = CountingStack(runner.model.native_decoder.stack)
-    runner.model.native_decoder = NativeDecoder(counter, runner.model.native_decoder.backend)
+    counter = counted(runner)
     torch_backend = create_attention_backend("torch", runner.kv_pool, runner.req_to_token, runner.attn_backend.scale)
     runner.attn_backend = torch_backend
     for layer in runner.model.layers:
