@@ -21,23 +21,17 @@ def test_every_available_kernel_is_timed_and_compared(capsys):
         assert (f"{kernel} / torch" in header) != (f"skipped: no {kernel} matmul" in out)
 
 
-def test_native_pages_both_times_the_weights_on_huge_and_4k_pages(capsys):
-    linear_bench.main(["--rows", "2", "--steps", "1", "--kernels", "native", "--native-pages", "huge", "4k",
-                       "--no-write"])
+@pytest.mark.parametrize("flag,rows,other", [("--native-pages huge 4k", "2", "native-4k"),
+                                             ("--native-amx on off", "20", "native-brgemm")],
+                         ids=["huge-and-4k-pages", "amx-loop-and-brgemm"])
+def test_a_native_option_given_both_values_times_both_side_by_side(capsys, flag, rows, other):
+    """--native-pages huge 4k: the weights on huge and on 4 KiB pages;
+    --native-amx on off: 17-48 rows on the op's AMX loop and on brgemm (the
+    switch is back on afterwards, as the model runs)."""
+    linear_bench.main(["--rows", rows, "--steps", "1", "--kernels", "native", *flag.split(), "--no-write"])
     out = capsys.readouterr().out
     if "skipped: no native matmul" in out:
         pytest.skip("no native matmul here: needs AVX512_BF16 or AMX and a C++ compiler")
     header = out[out.index("| rows |"):].splitlines()[0]
-    assert header == "| rows | native ms (GB/s) | native-4k ms (GB/s) | native-4k / native |"
-
-
-def test_native_amx_both_times_the_amx_loop_and_brgemm_and_leaves_the_default_on(capsys):
-    linear_bench.main(["--rows", "20", "--steps", "1", "--kernels", "native", "--native-amx", "on", "off",
-                       "--no-write"])
-    out = capsys.readouterr().out
-    if "skipped: no native matmul" in out:
-        pytest.skip("no native matmul here: needs AVX512_BF16 or AMX and a C++ compiler")
-    header = out[out.index("| rows |"):].splitlines()[0]
-    assert header == "| rows | native ms (GB/s) | native-brgemm ms (GB/s) | native-brgemm / native |"
-    # the process-wide switch is back on, as the model runs
+    assert header == f"| rows | native ms (GB/s) | {other} ms (GB/s) | {other} / native |"
     assert native_layers_op(torch.device("cpu")).amx_enabled()
