@@ -1,9 +1,11 @@
 // The decoder's per-token building blocks in bfloat16 on a CPU
-// (model_proc/layers.py): the matmuls, RMSNorm and rotary.
+// (model_proc/layers.py): the matmuls, RMSNorm and rotary; and a whole step's
+// decoder layers in one call (`DecoderStack`, model.py's NativeDecoder).
 //
 // Matmuls (`Linear`): y = x @ W.T with its epilogue (bias, the residual add, the MLP's
 // SiLU(gate) * up) fused, every product on the matrix units through torch's
-// brgemm (AMX, or AVX512_BF16).
+// brgemm (AMX, or AVX512_BF16), or, for 17-48 rows on AMX, this file's own
+// tile loop (bit-identical, faster there; see "the AMX loop").
 //
 // Why not oneDNN's packed matmul, which the float32 path keeps: every matmul
 // of the default model (30 layers and the head, interleaved as in a step,
@@ -22,8 +24,8 @@
 // gated matmul (gate and up stacked) interleaves the blocks: gate block j,
 // then up block j, so one task holds both halves of its output columns.
 //
-// Work: tasks = column blocks x row tiles, split statically between threads
-// (consecutive tasks share a block, which stays in L2). A row tile is up to
+// Work: tasks = column blocks x row tiles, handed out to the threads one at
+// a time (consecutive tasks share a block, which stays in L2). A row tile is up to
 // 64 rows (128 from 256 rows on): brgemm's M; its float32 result goes
 // through the epilogue into bfloat16 in one pass.
 //
@@ -327,6 +329,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, bool 
       finish_tile(c.data(), rows, tile, e.bias ? e.bias + unit * per_task * BN : nullptr, e, yp, ldy, row0, col0,
                   std::min(BN, n_out - col0));
     }
+    // each releases the tile state it configured; brgemm's release also
+    // forgets which kernel configured the tiles last, so brgemm configures
+    // them again on its next call, wherever our loop ran in between
 #ifdef BS_AMX
     if (amx) _tile_release();
     else
