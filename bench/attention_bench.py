@@ -4,7 +4,8 @@
                                     [--backends torch native]
 
 Every row sits at `context` tokens whose KV is already in the pool (random
-values on scattered slots, as after a long prefill; no prefill is run), and
+values on pages of `--page-size` slots drawn at random, as the server's
+allocator lays a request out after some churn; no prefill is run), and
 the step decodes one more token per row. Attention time is the backend's own
 time: `init_forward_metadata` once per step plus `forward` (KV store, page
 gather, SDPA) in every layer, timed by wrapping the two methods. The torch
@@ -44,6 +45,7 @@ import torch
 
 from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
+from bench.kv_layout import SERVER_PAGE_SIZE, scattered_pages
 from bench.machine_rates import read_bandwidth
 from model_proc.attention import AttentionBackend, NativeAttnBackend, create_attention_backend
 from model_proc.runner import ModelRunner
@@ -108,13 +110,12 @@ def fill_pool(runner: ModelRunner, slots: int, gen: torch.Generator) -> None:
             buf[start:start + n] = chunk[:n]
 
 
-def decode_batch(runner: ModelRunner, batch: int, context: int) -> ForwardBatch:
-    """Rows 1..batch, each `context` tokens long after this step, on scattered
-    slots; the same layout every time a case is built."""
+def decode_batch(runner: ModelRunner, batch: int, context: int, page_size: int = SERVER_PAGE_SIZE) -> ForwardBatch:
+    """Rows 1..batch, each `context` tokens long after this step, on pages of
+    the pool drawn at random; the same layout every time a case is built."""
     gen = torch.Generator().manual_seed(batch * 100_003 + context)
-    slots = torch.randperm(batch * context, generator=gen).to(torch.int32) + 1
     table = runner.req_to_token.table
-    table[1:batch + 1, :context] = slots.view(batch, context)
+    table[1:batch + 1, :context] = scattered_pages(batch, context, runner.kv_pool.size, page_size, gen)
     last = table[1:batch + 1, context - 1].tolist()  # the new token's slot
     ids = torch.randint(0, runner.model_config.vocab_size, (batch,), generator=gen).tolist()
     return ForwardBatch(
@@ -151,12 +152,12 @@ def kv_bytes(runner: ModelRunner, batch: int, context: int) -> int:
 
 
 def run_cases(runner: ModelRunner, cases: list[tuple[int, int]], steps: int,
-              bandwidth: float | None = None) -> list[list[str]]:
+              bandwidth: float | None = None, page_size: int = SERVER_PAGE_SIZE) -> list[list[str]]:
     """Per case: step ms, attention ms, attention share and, given the read
     bandwidth (bytes/s), attention's floor ms and the share at that floor."""
     cells = []
     for bs, ctx in cases:
-        step, attn = measure(runner, decode_batch(runner, bs, ctx), steps)
+        step, attn = measure(runner, decode_batch(runner, bs, ctx, page_size), steps)
         cells.append([f"{step * 1e3:.1f}", f"{attn * 1e3:.1f}", f"{attn / step:.0%}"])
         line = f"batch {bs:3d} context {ctx:5d}: step {cells[-1][0]} ms, attention {cells[-1][1]} ms ({cells[-1][2]})"
         if bandwidth:
@@ -168,7 +169,8 @@ def run_cases(runner: ModelRunner, cases: list[tuple[int, int]], steps: int,
 
 
 def report(runner: ModelRunner, command: str, steps: int, bandwidth: float, header: list[str],
-           rows: list[list[str]], backends: tuple[str, ...] = ("torch",), huge_pages: bool = False) -> str:
+           rows: list[list[str]], backends: tuple[str, ...] = ("torch",), huge_pages: bool = False,
+           page_size: int = SERVER_PAGE_SIZE) -> str:
     cfg = runner.model_config
     table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                       + ["| " + " | ".join(r) + " |" for r in rows])
@@ -183,7 +185,8 @@ def report(runner: ModelRunner, command: str, steps: int, bandwidth: float, head
             f"bandwidth measured before the cases: {bandwidth / 1e9:.1f} GB/s (best `sum` over 512 MiB); "
             f"attention floor = K + V of every row and layer read once at that rate; share at the floor = "
             f"floor / (step - attention + floor). KV pool on {'transparent huge pages' if huge_pages else '4 KiB pages'} "
-            f"(every backend); each row on slots drawn at random from the pool (a random permutation). Steps "
+            f"(every backend); each row on pages of {page_size} slots drawn at random from the pool (a random "
+            f"permutation of its pages, each filled in order, as the server's allocator lays them). Steps "
             f"run the model's modules layer by layer, where the attention calls can be timed (a server's decode "
             f"steps take the native decoder, the same ops in one native call: bench/step_bench.py times those).\n\n{table}\n")
 
@@ -197,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--backends", nargs="+", default=["torch", "native"], choices=["torch", "native"],
                    help="attention backends, side by side; the first one's columns come first")
+    p.add_argument("--page-size", type=int, default=SERVER_PAGE_SIZE,
+                   help="rows on pages of this many slots drawn at random (the server's --page-size; "
+                        "1: every token on a slot of its own)")
     p.add_argument("--no-huge-pages", action="store_true",
                    help="leave the pool on 4 KiB pages (by default, with the native backend in the run, the "
                         "pool goes on transparent huge pages for every backend, as the native backend sets up)")
@@ -229,10 +235,10 @@ def main(argv: list[str] | None = None) -> None:
                       "share at the floor", "attention x floor"]
             rows = [[str(bs), str(ctx), *cells, f"{float(cells[1]) / (floor * 1e3):.2f}"]
                     for (bs, ctx), floor, cells in zip(cases, floors,
-                                                       run_cases(runner, cases, args.steps, bandwidth))]
+                                                       run_cases(runner, cases, args.steps, bandwidth, args.page_size))]
         else:
             header += [f"step ms ({name})", f"attention ms ({name})", f"attention x floor ({name})"]
-            for row, floor, cells in zip(rows, floors, run_cases(runner, cases, args.steps, bandwidth)):
+            for row, floor, cells in zip(rows, floors, run_cases(runner, cases, args.steps, bandwidth, args.page_size)):
                 row += [*cells[:2], f"{float(cells[1]) / (floor * 1e3):.2f}"]
     if args.compare:
         # later passes, so that freeing the fresh buffers cannot slow the first
@@ -243,11 +249,11 @@ def main(argv: list[str] | None = None) -> None:
             if "fresh" in label:
                 backend.workspace = FreshWorkspace()
             header += [f"step ms ({label})", f"attention ms ({label})"]
-            for row, cells in zip(rows, run_cases(runner, cases, args.steps)):
+            for row, cells in zip(rows, run_cases(runner, cases, args.steps, page_size=args.page_size)):
                 row += cells[:2]
 
     command = " ".join(["python -m bench.attention_bench", *(sys.argv[1:] if argv is None else argv)])
-    text = report(runner, command, args.steps, bandwidth, header, rows, tuple(backends), huge)
+    text = report(runner, command, args.steps, bandwidth, header, rows, tuple(backends), huge, args.page_size)
     print(text)
     if not args.no_write:
         if not os.path.exists(RESULTS):

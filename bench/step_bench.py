@@ -10,11 +10,13 @@ one more):
 - forward: `ModelRunner.forward` in this process (what the model process
   reports as `ForwardResult.forward_time`: req_to_token update, metadata,
   the model, greedy sampling). No prefill is run: the KV pool is filled with
-  random values and each row's table points at C scattered slots, as after a
-  long prefill. Above `--pool-max-tokens` distinct slots (B x C too big for
-  memory), rows share slots: row r, position j reads slot perm[(r*C + j) %
-  P]. Each layer's pool (P x 1.5 KiB in float32) is then still several times
-  the last-level cache, so the reads come from DRAM, but some hit the cache.
+  random values and each row's table points at C slots on pages of
+  `--page-size` slots drawn at random (bench/kv_layout.py), as the server's
+  allocator lays a request out. Above `--pool-max-tokens` distinct slots
+  (B x C too big for memory), rows share pages: row r's j-th page is
+  perm[(r * pages_per_row + j) % pages]. Each layer's pool (P x 1.5 KiB in
+  float32) is then still several times the last-level cache, so the reads
+  come from DRAM, but some hit the cache.
 - server: the real server (`launch.py`, 3 processes) under a steady load of
   B concurrent ignore_eos requests whose prompts are C - 90 random tokens and
   which decode 140 tokens each, so the measured steps average about C tokens
@@ -70,6 +72,7 @@ from typing import Any
 import torch
 
 from bench.attention_bench import Timer
+from bench.kv_layout import SERVER_PAGE_SIZE, scattered_pages
 from bench.machine_rates import matmul_rate, read_bandwidth, timed_calls
 from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
@@ -141,14 +144,12 @@ def fill_pool(runner: ModelRunner, gen: torch.Generator) -> None:
             buf[start:start + n] = chunk[:n]
 
 
-def decode_batch(runner: ModelRunner, batch: int, context: int, gen: torch.Generator) -> ForwardBatch:
-    """Rows 1..batch at `context` tokens after this step, on scattered slots
-    (shared between rows when the pool is smaller than batch x context)."""
-    size = runner.kv_pool.size
-    perm = torch.randperm(size, generator=gen).to(torch.int32) + 1
-    flat = torch.arange(batch * context) % size
+def decode_batch(runner: ModelRunner, batch: int, context: int, gen: torch.Generator,
+                 page_size: int = SERVER_PAGE_SIZE) -> ForwardBatch:
+    """Rows 1..batch at `context` tokens after this step, on pages drawn at
+    random (shared between rows when the pool is smaller than batch x context)."""
     table = runner.req_to_token.table
-    table[1:batch + 1, :context] = perm[flat].view(batch, context)
+    table[1:batch + 1, :context] = scattered_pages(batch, context, runner.kv_pool.size, page_size, gen)
     return ForwardBatch(
         forward_mode="decode", req_pool_indices=list(range(1, batch + 1)), seq_lens=[context] * batch,
         prefix_lens=[], input_ids=torch.randint(3, runner.model_config.vocab_size, (batch,), generator=gen).tolist(),
@@ -177,14 +178,15 @@ class AttentionTimer(Timer):
         del self.backend.forward, self.backend.init_forward_metadata
 
 
-def bench_forward(dtype: str, cases: list[tuple[int, int]], steps: int, stat: str, pool_max: int) -> dict:
+def bench_forward(dtype: str, cases: list[tuple[int, int]], steps: int, stat: str, pool_max: int,
+                  page_size: int = SERVER_PAGE_SIZE) -> dict:
     pool = min(max(b * c for b, c in cases), pool_max)
     runner = make_runner(dtype, max(b for b, _ in cases), max(c for _, c in cases), pool)
     gen = torch.Generator().manual_seed(0)
     fill_pool(runner, gen)
     out = {}
     for b, c in cases:
-        fb = decode_batch(runner, b, c, gen)
+        fb = decode_batch(runner, b, c, gen, page_size)
         ms = 1e3 * timed_steps(lambda: runner.forward(fb), steps, stat)
         # attention's share, in separate steps: the wrappers cost a little. On
         # the modules' path: the native decoder calls the same attention op
@@ -298,7 +300,9 @@ def bench_server(dtype: str, cases: list[tuple[int, int]], stat: str, max_tokens
     if not runnable:
         return out
     max_batch = max(b for b, _ in runnable)
-    pool = max(b * (c - PROMPT_SHORT + NEW_TOKENS) for b, c in runnable) + 16
+    page = int(extra_flags[extra_flags.index("--page-size") + 1]) if "--page-size" in extra_flags else SERVER_PAGE_SIZE
+    # every request's tokens in whole pages: no retraction while the steps are measured
+    pool = max(b * -(-(c - PROMPT_SHORT + NEW_TOKENS) // page) * page for b, c in runnable) + 16 * page
     server = ServerProcess(
         "--dtype", dtype, "--max-running-requests", str(max_batch), "--max-total-tokens", str(pool),
         "--context-length", str(max(c for _, c in runnable) - PROMPT_SHORT + NEW_TOKENS + 8),
@@ -334,7 +338,8 @@ def cell(res: dict | None, floor_ms: float) -> str:
 
 
 def report(command: str, floor: Floor, results: dict, dtypes: list[str], cases: list[tuple[int, int]],
-           stat: str, load: tuple[float, float], seconds: float, tp_size: int = 1) -> str:
+           stat: str, load: tuple[float, float], seconds: float, tp_size: int = 1,
+           page_size: int = SERVER_PAGE_SIZE) -> str:
     header = ["dtype", "batch", "context", "floor ms (mem / compute)", "forward ms (x floor)",
               "of which attention ms", "server ms (x floor)", "outside forward",
               "server, no overlap ms (x floor)", "outside forward, no overlap", "transformers ms (x floor)",
@@ -361,7 +366,8 @@ def report(command: str, floor: Floor, results: dict, dtypes: list[str], cases: 
             f"SmolLM2-135M ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
             f"{cfg.num_kv_heads} kv heads), {platform.machine()}, {os.cpu_count()} cores, torch "
             f"{torch.__version__}, {torch.get_num_threads()} threads, attention backend "
-            f"{ServerArgs().attention_backend} (the default); server rows with --tp-size {tp_size}. "
+            f"{ServerArgs().attention_backend} (the default); server rows with --tp-size {tp_size} and "
+            f"--page-size {page_size}, forward rows on pages of {page_size} slots drawn at random. "
             f"Measured on the spot: read bandwidth "
             f"{floor.bandwidth / 1e9:.1f} GB/s, matmul {rates}. {stat.capitalize()} of the timed steps "
             f"(server: of the log windows); load average {load[0]:.1f} at the start, {load[1]:.1f} at "
@@ -422,6 +428,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hf-max-kv-gib", type=float, default=None,
                    help="transformers: skip cases whose KV exceeds this (default: 30%% of MemAvailable)")
     p.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: default)")
+    p.add_argument("--page-size", type=int, default=SERVER_PAGE_SIZE,
+                   help="KV page size: the server's --page-size, and the forward rows' layout (their "
+                        "rows on pages of this many slots drawn at random)")
     p.add_argument("--tp-size", type=int, default=1,
                    help="server rows: the server's --tp-size (tensor-parallel model ranks)")
     p.add_argument("--no-write", action="store_true", help="print only: no RESULTS.md, no JSON")
@@ -446,16 +455,16 @@ def main(argv: list[str] | None = None) -> None:
               else 0.3 * mem_available_bytes())
 
     cases = [(b, c) for c in args.contexts for b in args.batches]
-    tp_flags = ("--tp-size", str(args.tp_size)) if args.tp_size > 1 else ()
+    server_flags = (("--tp-size", str(args.tp_size)) if args.tp_size > 1 else ()) + ("--page-size", str(args.page_size))
     results: dict[tuple[str, str, int, int], dict] = {}
     for dt in args.dtypes:
         parts = {
-            "forward": lambda: bench_forward(dt, cases, args.steps, args.stat, args.pool_max_tokens),
+            "forward": lambda: bench_forward(dt, cases, args.steps, args.stat, args.pool_max_tokens, args.page_size),
             "transformers": lambda: bench_transformers(dt, cases, args.steps, args.stat, max_kv, model_dir, cfg),
             "server": lambda: bench_server(dt, cases, args.stat, args.server_max_tokens, cfg.vocab_size,
-                                           tp_flags),
+                                           server_flags),
             "server-no-overlap": lambda: bench_server(dt, cases, args.stat, args.server_max_tokens, cfg.vocab_size,
-                                                      ("--disable-overlap-schedule", *tp_flags), "server plain"),
+                                                      ("--disable-overlap-schedule", *server_flags), "server plain"),
         }
         for what in WHATS:
             if what in args.what:
@@ -464,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
 
     command = " ".join(["python -m bench.step_bench", *(sys.argv[1:] if argv is None else argv)])
     text = report(command, floor, results, args.dtypes, cases, args.stat, (load_start, os.getloadavg()[0]),
-                  time.perf_counter() - began, args.tp_size)
+                  time.perf_counter() - began, args.tp_size, args.page_size)
     print(text)
     if not args.no_write:
         with open(RESULTS_MD, "a") as f:  # append-only: others add their sections too

@@ -62,6 +62,10 @@ class ServerArgs:
     # scheduling and memory
     max_running_requests: int = 32
     max_total_tokens: int | None = None
+    # KV slots come in pages of this many tokens (SGLang's --page-size, vLLM's block size): a
+    # request's keys and values lie in runs, which CPU attention streams (bench/RESULTS.md);
+    # the prefix cache shares whole pages only
+    page_size: int = 16
     mem_fraction_static: float | None = None  # weights + KV share of device memory (model_proc/kv_cache.py)
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 1024  # -1 disables chunking
@@ -103,6 +107,8 @@ class ServerArgs:
             raise ValueError("--max-total-tokens must be >= 1")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, not {self.page_size}")
         if self.max_prefill_tokens < 1:
             raise ValueError("--max-prefill-tokens must be >= 1")
         if self.stream_interval < 1:
@@ -220,6 +226,10 @@ class ServerArgs:
                             default=d["max_running_requests"].default)
         parser.add_argument("--max-total-tokens", type=int, default=None,
                             help="KV pool size in tokens; default: from a memory budget")
+        parser.add_argument("--page-size", type=int, default=d["page_size"].default,
+                            help="KV slots per page: a request's tokens fill whole pages, so its keys and "
+                                 "values are read in runs; the prefix cache shares whole pages only "
+                                 "(1: a slot per token)")
         parser.add_argument("--mem-fraction-static", type=float, default=None,
                             help="share of the device's memory for weights + KV cache, which sizes the "
                                  "pool when --max-total-tokens is not given; default 0.88 on a GPU, and on a "

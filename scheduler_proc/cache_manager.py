@@ -1,6 +1,12 @@
 """CacheManager: the one owner of KV state. Every slot and every table row is
 handed out, shared, taken back and evicted here, and nowhere else.
 
+Slots come in pages of `page_size` consecutive slots (the allocator's unit;
+1 is a slot per token). A request fills its own pages in order, so a page
+belongs to one owner: a request, or the tree once whole pages of a request's
+tokens go in. A request's own part of its row starts on a page boundary and
+its last page may be partly used; counts below are in slots of whole pages.
+
 Who owns a KV slot (slot 0 is the padding dummy and belongs to no one):
 
     free list ──alloc──► a running request's own tail ──finish: insert──► tree
@@ -12,7 +18,7 @@ Who owns a KV slot (slot 0 is the padding dummy and belongs to no one):
     tree slots are protected while some request's matched path holds a lock
     on them (positions 0..cache_len of its row), evictable otherwise.
 
-    Invariant: free + evictable + protected + Σ requests' own tails = pool size.
+    Invariant: free + evictable + protected + Σ requests' own pages = pool size.
 
 A request's row of `req_to_token` maps its positions to slots: the first
 `cache_len` are the tree's (locked by `req.last_node`), the rest its own. The
@@ -32,17 +38,19 @@ from typing import Any
 
 import torch
 
-from scheduler_proc.memory import ReqToTokenPool, TokenSlotAllocator
+from scheduler_proc.memory import PageAllocator, ReqToTokenPool, slots_taken
 from scheduler_proc.radix_cache import PrefixMatch, RadixCache
 from scheduler_proc.req import Req
 
 
 class CacheManager:
-    def __init__(self, pool_size: int, num_rows: int, context_len: int, use_tree: bool) -> None:
-        self.size = pool_size
-        self.allocator = TokenSlotAllocator(pool_size)
+    def __init__(self, pool_size: int, num_rows: int, context_len: int, use_tree: bool,
+                 page_size: int = 1) -> None:
+        self.allocator = PageAllocator(pool_size, page_size)
+        self.page_size = page_size
+        self.size = self.allocator.size
         self.req_to_token_pool = ReqToTokenPool(num_rows, context_len)
-        self.tree = RadixCache(self.allocator.free) if use_tree else None
+        self.tree = RadixCache(self.allocator.free, page_size) if use_tree else None
         self.resident: dict[int, Req] = {}  # table row -> the request holding it
         # hit rate: prompt tokens offered to match on admission vs. taken from the tree
         self.matched_tokens = 0
@@ -58,15 +66,63 @@ class CacheManager:
         """Slots a request can get now: the free list plus what eviction frees."""
         return self.allocator.available() + (self.tree.evictable_size if self.tree else 0)
 
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """n slots, evicting unlocked cache if the free list is short; None if
+    def pages_for(self, tokens: int) -> int:
+        """Slots that `tokens` tokens starting on a page boundary take: whole pages."""
+        return slots_taken(0, tokens, self.page_size)
+
+    def decode_slots(self, reqs: list[Req]) -> int:
+        """Slots a decode step of `reqs` takes: a new page for each row whose
+        last page is full."""
+        return sum(self.page_size for r in reqs if r.kv_len % self.page_size == 0)
+
+    def _take_pages(self, n: int) -> torch.Tensor | None:
+        """n pages, evicting unlocked cache if the free list is short; None if
         even that is not enough (nothing is evicted then)."""
-        short = n - self.allocator.available()
+        short = n * self.page_size - self.allocator.available()
         if short > 0:
             if self.tree is None or self.tree.evictable_size < short:
                 return None
             self.tree.evict(short)
-        return self.allocator.alloc(n)
+        return self.allocator.alloc_pages(n)
+
+    def alloc_extend(self, rows: list[int], prefix_lens: list[int], extend_lens: list[int]) -> torch.Tensor | None:
+        """Slots for extend_lens[i] more tokens of table row rows[i] after its
+        first prefix_lens[i], written into the table: the rest of the row's
+        last page, then new pages. Returns them concatenated (int64), or None
+        if the pool cannot hold them (nothing is taken then)."""
+        P = self.page_size
+        fills = [min(n, -p % P) for p, n in zip(prefix_lens, extend_lens)]
+        counts = [-(-(n - f) // P) for n, f in zip(extend_lens, fills)]
+        pages = self._take_pages(sum(counts))
+        if pages is None:
+            return None
+        runs = (self.allocator.first_slots(pages).view(-1, 1) + torch.arange(P)).view(-1, P)
+        parts: list[torch.Tensor] = []
+        used = 0
+        for row, p, n, f, k in zip(rows, prefix_lens, extend_lens, fills, counts):
+            if f:  # the request's own last page (a chunk or a decode left it partly used)
+                start = int(self.table[row, p - 1]) + 1
+                parts.append(torch.arange(start, start + f))
+            parts.append(runs[used:used + k].reshape(-1)[:n - f])
+            used += k
+            self.table[row, p:p + n] = torch.cat(parts[-2:] if f else parts[-1:]).to(torch.int32)
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def alloc_decode(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """A slot for one more token of each table row at its position, written
+        into the table: the next slot of the row's last page, or a new page's
+        first. None if the pool cannot hold them (nothing is taken then)."""
+        opens = positions % self.page_size == 0
+        pages = self._take_pages(int(opens.sum()))
+        if pages is None:
+            return None
+        locs = torch.empty_like(positions)
+        locs[opens] = self.allocator.first_slots(pages)
+        if not bool(opens.all()):
+            cont = ~opens
+            locs[cont] = self.table[rows[cont], positions[cont] - 1].long() + 1
+        self.table[rows, positions] = locs.to(torch.int32)
+        return locs
 
     # ---- admission -----------------------------------------------------------------------
 
@@ -117,6 +173,7 @@ class CacheManager:
         it is sent. Tokens another request put there first were computed
         twice: this request's copies are freed and its row points at the
         tree's, here and, with its next step, in the model process."""
+        n -= n % self.page_size  # the tree takes whole pages; the last partial one stays the request's
         if self.tree is None or not req.req_pool_idx or n <= req.cache_len:
             return
         row = self.table[req.req_pool_idx]
@@ -156,6 +213,7 @@ class CacheManager:
         kept = req.cache_len
         if cache and self.tree is not None:
             kept = min(req.kv_len, req.seq_len)
+            kept -= kept % self.page_size  # whole pages only
             if kept > req.cache_len:
                 self._insert_own(req, req.fill_ids[:kept], row[:kept].long())
         if req.kv_len > kept:
@@ -188,18 +246,34 @@ class CacheManager:
                 return f"radix tree: {error}"
         evictable, protected = (self.tree.evictable_size, self.tree.protected_size) if self.tree else (0, 0)
         resident = list(self.resident.values())
-        own = sum(r.kv_len - r.cache_len for r in resident)
+        own = sum(self.own_slots(r) for r in resident)
         free = self.allocator.available()
         if free + evictable + protected + own != self.size:
             return (f"KV slots do not add up: free {free} + evictable {evictable} + protected "
                     f"{protected} + requests' own {own} != pool {self.size}")
         if not resident and protected:
             return f"{protected} slots stay locked in the tree with no request resident"
+        for r in resident:
+            if not self._fills_own_pages_in_order(r):
+                return f"request {r.rid}'s own slots are not pages filled in order from a page boundary"
         rows = self.req_to_token_pool
         if rows.available() + len(resident) != rows.num_rows:
             return (f"req_to_token rows do not add up: free {rows.available()} + resident "
                     f"{len(resident)} != {rows.num_rows}")
         return None
+
+    def _fills_own_pages_in_order(self, req: Req) -> bool:
+        P = self.page_size
+        own = self.table[req.req_pool_idx, req.cache_len:req.kv_len].long()
+        if req.cache_len % P or not bool(((own[::P] - 1) % P == 0).all()):
+            return False
+        inner = torch.arange(own.numel())
+        inner = inner[inner % P != 0]  # positions inside a page follow their predecessor
+        return bool((own[inner] == own[inner - 1] + 1).all())
+
+    def own_slots(self, req: Req) -> int:
+        """Slots of the pages `req` holds itself (from cache_len, a page boundary)."""
+        return self.pages_for(req.kv_len) - req.cache_len
 
     def stats(self) -> dict[str, Any]:
         tree = self.tree
@@ -209,6 +283,7 @@ class CacheManager:
             "protected_kv_slots": tree.protected_size if tree else 0,
             "held_kv_slots": self.size - self.available(),  # by requests, directly or by lock
             "total_kv_slots": self.size,
+            "page_size": self.page_size,
             "free_req_rows": self.req_to_token_pool.available(),
             "total_req_rows": self.req_to_token_pool.num_rows,
             "radix_tree_nodes": tree.num_nodes() if tree else 0,

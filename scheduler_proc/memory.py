@@ -1,4 +1,4 @@
-"""Scheduler-side memory bookkeeping: which KV slots and which table rows are free.
+"""Scheduler-side memory bookkeeping: which KV pages and which table rows are free.
 
 The model process holds the KV tensors and its own copy of `req_to_token`; the
 scheduler decides which slots every token gets and keeps a mirror of the table
@@ -10,31 +10,54 @@ from __future__ import annotations
 import torch
 
 
-class TokenSlotAllocator:
-    """Free list of KV slot indices 1..size; slot 0 is the dummy target for padding.
+def slots_taken(kv_len: int, n: int, page_size: int) -> int:
+    """Slots of the pool that n more tokens take for a request holding kv_len:
+    the room left in its last page first, then whole new pages."""
+    return -(-(kv_len + n) // page_size) * page_size - -(-kv_len // page_size) * page_size
 
-    A stack in one preallocated tensor: alloc takes the top n, free pushes
-    back, each a slice copy costing the slots moved, never the pool."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.stack = torch.arange(1, size + 1, dtype=torch.int64)
-        self.num_free = size
+class PageAllocator:
+    """Free list of KV pages; page p holds slots 1 + p*page_size .. (p+1)*page_size.
+    Slot 0 is the dummy target for padding and belongs to no page.
+
+    A request's tokens fill its pages in order, so its keys and values lie in
+    runs of `page_size` consecutive slots: attention streams a run instead of
+    fetching scattered 384-byte rows (SGLang's --page-size, vLLM's block
+    size). A stack of page ids in one preallocated tensor: alloc takes the top
+    n, free pushes back, each a slice copy costing the pages moved."""
+
+    def __init__(self, num_slots: int, page_size: int) -> None:
+        assert page_size >= 1
+        self.page_size = page_size
+        self.num_pages = num_slots // page_size
+        self.size = self.num_pages * page_size  # slots in whole pages; a partial last page is unused
+        self.stack = torch.arange(self.num_pages, dtype=torch.int64)
+        self.num_free = self.num_pages
 
     def available(self) -> int:
-        return self.num_free
+        """Free slots (whole pages)."""
+        return self.num_free * self.page_size
 
-    def alloc(self, n: int) -> torch.Tensor | None:
+    def alloc_pages(self, n: int) -> torch.Tensor | None:
+        """n page ids, or None if fewer are free."""
         if n > self.num_free:
             return None
         self.num_free -= n
         return self.stack[self.num_free:self.num_free + n].clone()  # frees overwrite the stack
 
+    def first_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        return pages * self.page_size + 1
+
     def free(self, slots: torch.Tensor) -> None:
-        k = slots.numel()
+        """Give back the pages of a run of a request's positions that starts on
+        a page boundary: every page_size-th slot, from the first, opens a page
+        (the run's last page may be partly used)."""
+        starts = slots[::self.page_size].to(torch.int64) - 1
+        assert bool(((starts % self.page_size) == 0).all()), "freed slots do not start pages"
+        k = starts.numel()
         if k:
-            assert self.num_free + k <= self.size, "more slots freed than the pool holds"
-            self.stack[self.num_free:self.num_free + k] = slots.to(torch.int64)
+            assert self.num_free + k <= self.num_pages, "more pages freed than the pool holds"
+            self.stack[self.num_free:self.num_free + k] = starts // self.page_size
             self.num_free += k
 
 

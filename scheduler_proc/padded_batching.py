@@ -61,16 +61,16 @@ class PaddedBatchScheduler(Scheduler):
                 return None
         # Every row may be padded to the longest row's length: reserve that for all.
         reqs: list[Req] = []
-        prompt_tokens, longest = 0, 0
+        longest = 0
         for req in self.waiting_queue:
             if len(reqs) == self.args.max_running_requests:
                 break
-            p = prompt_tokens + len(req.origin_input_ids)
             m = max(longest, req.sampling_params.max_new_tokens)
-            if p + (len(reqs) + 1) * m > self.cache.available():
+            if sum(self.cache.pages_for(len(r.origin_input_ids) + m) for r in [*reqs, req]) \
+                    > self.cache.available():
                 break
             reqs.append(req)
-            prompt_tokens, longest = p, m
+            longest = m
         if not reqs:
             return None
         for _ in reqs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from scheduler_proc.memory import slots_taken
 from scheduler_proc.req import Req
 
 # A request's remaining max_new_tokens counts at most this much in the estimate
@@ -38,19 +39,20 @@ class PrefillAdder:
     rem_prefill_tokens: int  # --max-prefill-tokens still unused
     rem_chunk_tokens: int | None  # --chunked-prefill-size still unused
     new_token_ratio: float
+    page_size: int = 1  # KV slots come in pages: a request's tokens take whole pages
     can_run: list[Req] = field(default_factory=list)
     new_chunked_req: Req | None = None  # admitted with only part of its prompt
 
     @classmethod
     def for_step(cls, *, max_running: int, running: list[Req], free_slots: int,
                  max_prefill_tokens: int, chunked_prefill_size: int,
-                 new_token_ratio: float) -> "PrefillAdder":
+                 new_token_ratio: float, page_size: int = 1) -> "PrefillAdder":
         reserved = sum(expected_new_tokens(r, new_token_ratio) for r in running)
         return cls(rem_running=max_running - len(running),
                    rem_total_tokens=free_slots - reserved,
                    rem_prefill_tokens=max_prefill_tokens,
                    rem_chunk_tokens=None if chunked_prefill_size < 0 else chunked_prefill_size,
-                   new_token_ratio=new_token_ratio)
+                   new_token_ratio=new_token_ratio, page_size=page_size)
 
     def add_chunked_req(self, req: Req, free_slots: int) -> None:
         """The next chunk of a prompt admitted earlier: its KV budget was promised
@@ -58,12 +60,13 @@ class PrefillAdder:
         extend = req.seq_len - req.kv_len
         if self.rem_chunk_tokens is not None:
             extend = min(extend, self.rem_chunk_tokens)
-        extend = min(extend, free_slots)
+        room = -req.kv_len % self.page_size  # left in its last page
+        extend = min(extend, room + max(free_slots, 0) // self.page_size * self.page_size)
         if extend <= 0:
             return
         if req.kv_len + extend < req.seq_len:
             self.new_chunked_req = req
-        self._admit(req, extend, promised=extend)
+        self._admit(req, extend, promised=slots_taken(req.kv_len, extend, self.page_size))
 
     def try_add(self, req: Req, prefix_len: int = 0, newly_protected: int = 0) -> bool:
         """Admit `req` (sets req.extend_input_len) if it fits; False means stop
@@ -75,7 +78,7 @@ class PrefillAdder:
         extend = req.seq_len - prefix_len
         # the whole remaining prompt must fit, even when only a chunk runs now,
         # so that a chunked request can always finish its prefill
-        need = extend + expected_new_tokens(req, self.new_token_ratio) + newly_protected
+        need = slots_taken(prefix_len, extend, self.page_size) + expected_new_tokens(req, self.new_token_ratio) + newly_protected
         if need > self.rem_total_tokens:
             return False
         # one request longer than the prefill budget still runs, alone

@@ -13,6 +13,11 @@ caller's (`free_slots`), so one class (CacheManager) owns the slot lifecycle.
 
 Requests with different `cache_salt` never share a node: each salt has a
 root of its own.
+
+With pages of several tokens (`page_size`, the allocator's) the tree holds
+whole pages only: keys are matched and cut at page boundaries, a node's
+children are told apart by their first page, and eviction frees whole pages.
+A request's last partial page is never shared (SGLang does the same).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ class TreeNode:
     key: list[int]
     value: torch.Tensor  # int64 KV slots, one per key token
     parent: "TreeNode | None"
-    children: dict[int, "TreeNode"] = field(default_factory=dict)  # by first token
+    children: dict[int | tuple[int, ...], "TreeNode"] = field(default_factory=dict)  # by first page
     lock_ref: int = 0  # running requests whose matched path goes through here
     last_access: int = field(default_factory=lambda: next(_clock))
 
@@ -66,8 +71,9 @@ def _shared_len(a: list[int], b: list[int]) -> int:
 
 
 class RadixCache:
-    def __init__(self, free_slots: Callable[[torch.Tensor], None]) -> None:
+    def __init__(self, free_slots: Callable[[torch.Tensor], None], page_size: int = 1) -> None:
         self.free_slots = free_slots
+        self.page_size = page_size
         self.roots: dict[str, TreeNode] = {}
         self.evictable_size = 0  # slots in nodes no request locks
         self.protected_size = 0  # slots in locked nodes
@@ -79,6 +85,13 @@ class RadixCache:
                                                parent=None, lock_ref=1)  # a root never leaves
         return node
 
+    def _child_key(self, key: list[int], pos: int = 0) -> int | tuple[int, ...]:
+        """What tells a node's children apart: their first token, or first page."""
+        return key[pos] if self.page_size == 1 else tuple(key[pos:pos + self.page_size])
+
+    def _whole_pages(self, n: int) -> int:
+        return n - n % self.page_size
+
     @property
     def total_size(self) -> int:
         return self.evictable_size + self.protected_size
@@ -86,16 +99,17 @@ class RadixCache:
     # ---- lookup and insertion -----------------------------------------------------------
 
     def match_prefix(self, key: list[int], salt: str = "") -> PrefixMatch:
-        """The longest prefix of `key` in the tree. A match that ends inside a
-        node splits it, so the match always ends on a node boundary."""
+        """The longest prefix of `key` in the tree, in whole pages. A match that
+        ends inside a node splits it, so the match always ends on a node boundary."""
         node = self.root(salt)
         parts: list[torch.Tensor] = []
         pos = 0
+        key = key[:self._whole_pages(len(key))]
         while pos < len(key):
-            child = node.children.get(key[pos])
+            child = node.children.get(self._child_key(key, pos))
             if child is None:
                 break
-            n = _shared_len(child.key, key[pos:])
+            n = self._whole_pages(_shared_len(child.key, key[pos:]))
             if n < len(child):
                 child = self._split(child, n)
             child.last_access = next(_clock)
@@ -108,18 +122,20 @@ class RadixCache:
     def insert(self, key: list[int], slots: torch.Tensor, salt: str = "") -> int:
         """Add `key` with its `slots`. Returns how many leading tokens were in
         the tree already: their slots in `slots` are duplicates that the caller
-        still owns (and frees); the rest now belong to the tree (evictable)."""
-        assert len(key) == slots.numel()
+        still owns (and frees); the rest now belong to the tree (evictable).
+        `key` is whole pages."""
+        assert len(key) == slots.numel() and len(key) % self.page_size == 0
         node = self.root(salt)
         pos = 0
         while pos < len(key):
-            child = node.children.get(key[pos])
+            first = self._child_key(key, pos)
+            child = node.children.get(first)
             if child is None:
                 new = TreeNode(key=list(key[pos:]), value=slots[pos:].clone(), parent=node)
-                node.children[key[pos]] = new
+                node.children[first] = new
                 self.evictable_size += len(new)
                 return pos
-            n = _shared_len(child.key, key[pos:])
+            n = self._whole_pages(_shared_len(child.key, key[pos:]))
             if n < len(child):
                 child = self._split(child, n)
             child.last_access = next(_clock)
@@ -128,15 +144,15 @@ class RadixCache:
         return pos
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
-        """Cut `child` after its first n tokens; returns the new upper part.
+        """Cut `child` after its first n tokens (whole pages); returns the new upper part.
         Locks are per path, so the upper part inherits the child's count."""
         parent = child.parent
         assert parent is not None and 0 < n < len(child)
         upper = TreeNode(key=child.key[:n], value=child.value[:n], parent=parent,
                          lock_ref=child.lock_ref, last_access=child.last_access)
-        parent.children[child.key[0]] = upper
+        parent.children[self._child_key(child.key)] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
-        upper.children[child.key[0]] = child
+        upper.children[self._child_key(child.key)] = child
         return upper
 
     # ---- locks ---------------------------------------------------------------------------
@@ -183,7 +199,7 @@ class RadixCache:
             self.free_slots(node.value)
             freed += len(node)
             self.evictable_size -= len(node)
-            del parent.children[node.key[0]]
+            del parent.children[self._child_key(node.key)]
             if not parent.is_root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
         return freed
@@ -210,8 +226,8 @@ class RadixCache:
         mismatch, or None."""
         evictable = protected = 0
         for node in self._nodes():
-            if len(node) == 0 or len(node) != node.value.numel():
-                return f"node with key length {len(node)} and {node.value.numel()} slots"
+            if len(node) == 0 or len(node) != node.value.numel() or len(node) % self.page_size:
+                return f"node with key length {len(node)} and {node.value.numel()} slots (page {self.page_size})"
             if node.lock_ref < sum(c.lock_ref for c in node.children.values()):
                 return "a node holds fewer locks than its children"
             if node.lock_ref:

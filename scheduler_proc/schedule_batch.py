@@ -120,19 +120,14 @@ class ScheduleBatch:
         self.prefix_lens = [r.kv_len for r in self.reqs]
         extend_lens = [r.extend_input_len or len(f) - p
                        for r, f, p in zip(self.reqs, fills, self.prefix_lens)]
-        locs = cache.alloc(sum(extend_lens))
+        assert all(r.req_pool_idx for r in self.reqs), "extend of a request without a table row"
+        locs = cache.alloc_extend([r.req_pool_idx for r in self.reqs], self.prefix_lens, extend_lens)
         if locs is None:
             raise OutOfKVSlots(f"cannot allocate {sum(extend_lens)} KV slots")
         self.out_cache_loc = locs
         self.input_ids = torch.tensor(
             [t for f, p, n in zip(fills, self.prefix_lens, extend_lens) for t in f[p:p + n]],
             dtype=torch.int64)
-        table = cache.table
-        start = 0
-        for r, p, n in zip(self.reqs, self.prefix_lens, extend_lens):
-            assert r.req_pool_idx, "extend of a request without a table row"
-            table[r.req_pool_idx, p:p + n] = locs[start:start + n].to(torch.int32)
-            start += n
         self.collect_table_rewrites(cache)
         # a row's penalty state is built from the request's tokens at its first
         # extend since admission (a cached prefix is not recomputed, and a
@@ -181,14 +176,13 @@ class ScheduleBatch:
         self.penalty_inits = []
         self.input_logprob_rows, self.input_logprob_starts, self.input_logprob_targets = [], [], []
         self.collect_table_rewrites(cache)
-        locs = cache.alloc(len(self.reqs))
+        locs = cache.alloc_decode(self.req_pool_indices, self.seq_lens)
         if locs is None:
             raise OutOfKVSlots(f"cannot allocate {len(self.reqs)} KV slots for decode")
         self.out_cache_loc = locs
         self.input_ids = torch.tensor(
             [FUTURE_TOKEN if r.pending_tokens else r.output_ids[-1] for r in self.reqs],
             dtype=torch.int64)
-        cache.table[self.req_pool_indices, self.seq_lens] = locs.to(torch.int32)
         self.seq_lens = self.seq_lens + 1
         for r in self.reqs:
             r.kv_len += 1

@@ -86,7 +86,8 @@ class Scheduler:
         self.context_len = model_info.context_len
         self.radix_cache_enabled = not server_args.disable_radix_cache and self.prefix_cache_allowed
         self.cache = CacheManager(model_info.max_total_tokens, server_args.max_running_requests,
-                                  self.context_len, use_tree=self.radix_cache_enabled)
+                                  self.context_len, use_tree=self.radix_cache_enabled,
+                                  page_size=server_args.page_size)
         self.invariant_error: str | None = None  # set when the idle check finds the accounts off
         self.max_queued_requests = server_args.max_queued_requests if server_args.max_queued_requests \
             is not None else default_queue_limit(server_args.max_running_requests, model_info.max_total_tokens)
@@ -236,7 +237,7 @@ class Scheduler:
         if n + max_new > self.context_len:
             return (f"prompt ({n} tokens) plus max_new_tokens ({max_new}) exceeds the context "
                     f"length ({self.context_len})")
-        if n + max_new > self.cache.size:
+        if self.cache.pages_for(n + max_new) > self.cache.size:
             return (f"prompt ({n} tokens) plus max_new_tokens ({max_new}) can never fit in the "
                     f"KV pool ({self.cache.size} tokens), even alone")
         return None
@@ -351,7 +352,8 @@ class Scheduler:
         Not when the pool lacks a slot per row: then they wait, and their own
         decode step retracts as usual."""
         running = self.running_batch
-        if not self.args.enable_mixed_chunk or running is None or self.cache.available() < len(running):
+        if not self.args.enable_mixed_chunk or running is None \
+                or self.cache.available() < self.cache.decode_slots(running.reqs):
             return False
         running.prepare_for_decode(self.cache)
         batch.mix_with_running(running)
@@ -381,13 +383,13 @@ class Scheduler:
                                          and self.chunked_req.req_pool_idx else 0)
         adder = PrefillAdder.for_step(
             max_running=self.args.max_running_requests - leaving, running=running,
-            free_slots=self.cache.available(),
+            free_slots=self.cache.available(), page_size=self.cache.page_size,
             max_prefill_tokens=self.args.max_prefill_tokens,
             chunked_prefill_size=self.args.chunked_prefill_size,
             new_token_ratio=self.new_token_ratio)
         if self.chunked_req is not None:
-            # leave every running row a slot for its next decode step
-            adder.add_chunked_req(self.chunked_req, self.cache.available() - len(running))
+            # leave every running row room for its next decode step
+            adder.add_chunked_req(self.chunked_req, self.cache.available() - self.cache.decode_slots(running))
             if not adder.can_run:
                 return None
         self.waiting_queue = order_waiting_queue(
@@ -465,7 +467,7 @@ class Scheduler:
         then prepare the decode step."""
         batch = self.running_batch
         assert batch is not None
-        if self.cache.available() < len(batch) and self.inflight:
+        if self.cache.available() < self.cache.decode_slots(batch.reqs) and self.inflight:
             # Short of slots with a step in flight: first see its result (its
             # finished rows free their KV); victims must have all their tokens.
             self.resolve_inflight()
@@ -473,7 +475,7 @@ class Scheduler:
             batch = self.running_batch
             if batch is None:  # every row finished: look again (a prefill may fit now)
                 return self.get_next_batch_to_run()
-        if self.cache.available() < len(batch):
+        if self.cache.available() < self.cache.decode_slots(batch.reqs):
             self.retract_decode(batch)
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
@@ -491,15 +493,17 @@ class Scheduler:
                                                           -len(batch.reqs[i].origin_input_ids)))
         retracted: list[Req] = []
         keep = set(range(len(batch)))
+        def fits() -> bool:
+            return self.cache.available() >= self.cache.decode_slots([batch.reqs[k] for k in keep])
         for i in order:
-            if self.cache.available() >= len(keep):
+            if fits():
                 break
             if len(keep) == 1 and self.chunked_req is not None:
                 # the half-prefilled request holds the slots: it goes back instead
                 self.retract(self.chunked_req)
                 retracted.append(self.chunked_req)
                 self.chunked_req = None
-                if self.cache.available() >= 1:
+                if fits():
                     break
             if len(keep) == 1:  # cannot happen after validate(); never loop forever
                 req = batch.reqs[i]
@@ -576,7 +580,7 @@ class Scheduler:
         running = self.running_batch.reqs if self.running_batch is not None else []
         adder = PrefillAdder.for_step(
             max_running=self.args.max_running_requests, running=running, free_slots=self.cache.available(),
-            max_prefill_tokens=self.args.max_prefill_tokens, chunked_prefill_size=self.args.chunked_prefill_size,
+            page_size=self.cache.page_size, max_prefill_tokens=self.args.max_prefill_tokens, chunked_prefill_size=self.args.chunked_prefill_size,
             new_token_ratio=self.new_token_ratio)
         match = self.cache.match(req)
         fits = adder.try_add(req, prefix_len=match.length if match else 0,

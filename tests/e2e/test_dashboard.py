@@ -46,7 +46,8 @@ def chromium():
 def test_dashboard_draws_one_bar_per_request_and_the_retracted_one_as_retracted():
     # a pool of 90 tokens and a low conservativeness: three ~19 + 24 token
     # requests are admitted at once and then overflow it, so one is retracted
-    srv = ServerProcess("--max-running-requests", "8", "--max-total-tokens", "90",
+    # (a slot per token: the scenario and the cached count are token-exact)
+    srv = ServerProcess("--max-running-requests", "8", "--max-total-tokens", "90", "--page-size", "1",
                         "--schedule-conservativeness", "0.3", "--api-key", KEY)
     headers = {"Authorization": f"Bearer {KEY}"}
     try:

@@ -286,15 +286,16 @@ def test_client_disconnect_mid_stream_frees_the_kv():
 
 def test_a_request_that_can_never_fit_the_pool_is_a_400_on_every_route():
     """The scheduler refuses it at admission (prompt + max_new_tokens above the
-    whole KV pool): HTTP 400 with the reason, streamed or not, native or OpenAI."""
-    srv = ServerProcess("--max-running-requests", "2", "--max-total-tokens", "300")
+    whole KV pool): HTTP 400 with the reason, streamed or not, native or OpenAI.
+    The pool is whole pages: 320 tokens are 20 pages of 16."""
+    srv = ServerProcess("--max-running-requests", "2", "--max-total-tokens", "320")
     try:
-        body = {"input_ids": [100] * 100, "sampling_params": {"max_new_tokens": 250}}
+        body = {"input_ids": [100] * 100, "sampling_params": {"max_new_tokens": 230}}
         for stream in (False, True):
             r = generate(srv, {**body, "stream": stream})
             assert r.status_code == 400, (stream, r.text)
-            assert "can never fit in the KV pool (300 tokens)" in r.json()["error"]["message"]
-        r = requests.post(srv.url + "/v1/completions", json={"prompt": [100] * 100, "max_tokens": 250},
+            assert "can never fit in the KV pool (320 tokens)" in r.json()["error"]["message"]
+        r = requests.post(srv.url + "/v1/completions", json={"prompt": [100] * 100, "max_tokens": 230},
                           timeout=60)
         assert r.status_code == 400 and "can never fit" in r.json()["error"]["message"]
         ok = generate(srv, {"input_ids": [100] * 10, "sampling_params": {"max_new_tokens": 5}})

@@ -92,31 +92,33 @@ def test_retraction_picks_fewest_decoded_then_longest_prompt():
     s.resolve_inflight()  # with overlap a step is still out: victims need all their tokens
     batch = s.running_batch
     # take every free slot so that the next decode needs a retraction
-    hog = s.cache.allocator.alloc(s.cache.allocator.available() - 2)
+    hog = s.cache.allocator.alloc_pages(s.cache.allocator.available() - 2)  # pages of 1 slot
     s.retract_decode(batch)
     assert [r.rid for r in s.waiting_queue] == ["long_prompt"]
     assert [r.rid for r in batch.reqs] == ["old", "short_prompt"]
-    s.cache.allocator.free(hog)
+    s.cache.allocator.free(s.cache.allocator.first_slots(hog))
     h.run_until_idle()
     h.assert_no_leak()
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
 @MODES
-def test_kv_pool_never_overflows_under_random_load(overlap):
+def test_kv_pool_never_overflows_under_random_load(overlap, page_size):
     """Property: whatever the arrivals and lengths, admission plus retraction
     never asks the allocator for a slot it does not have, every request ends
-    with its full output, and nothing leaks."""
+    with its full output, and nothing leaks; with a slot per token and with
+    pages of several."""
     for seed in range(25):
         rng = random.Random(seed)
         pool = rng.randint(60, 300)
         h = Harness(max_running=rng.randint(1, 12), max_total_tokens=pool,
-                    chunked_prefill_size=rng.choice([-1, 8, 32]),
+                    chunked_prefill_size=rng.choice([-1, 8, 32]), page_size=page_size,
                     eos_one_in=rng.choice([0, 5, 20]), disable_overlap_schedule=not overlap)
         expected = {}
         arrivals = {}
         for i in range(rng.randint(5, 30)):
             n_prompt = rng.randint(1, 40)
-            max_new = rng.randint(1, min(60, pool - n_prompt))
+            max_new = rng.randint(1, min(60, pool // page_size * page_size - n_prompt))
             arrivals.setdefault(rng.randint(0, 40), []).append((f"r{i}", n_prompt, max_new))
             expected[f"r{i}"] = max_new
         step = 0
@@ -126,6 +128,7 @@ def test_kv_pool_never_overflows_under_random_load(overlap):
                     h.submit(rid, n_prompt, max_new)
                 used = h.sched.cache.allocator.size - h.sched.cache.allocator.available()
                 assert 0 <= used <= pool
+                assert h.sched.cache.check_invariant() is None, (seed, h.sched.cache.check_invariant())
                 if h.sched.step() is None and step > 40 and h.sched.is_idle():
                     break
                 step += 1

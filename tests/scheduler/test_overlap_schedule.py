@@ -209,7 +209,7 @@ def test_abort_while_its_step_is_in_flight_frees_the_kv_and_sends_nothing_more()
 
 
 def real_model_run(model_dir: str, overlap: bool, arrivals, stops: dict[str, int]) -> Engine:
-    engine = Engine(model_dir, ignore_eos=False, max_running_requests=4, max_total_tokens=70,
+    engine = Engine(model_dir, ignore_eos=False, max_running_requests=4, max_total_tokens=70, page_size=4,
                     chunked_prefill_size=16, disable_overlap_schedule=not overlap)
     step = 0
     while True:

@@ -20,6 +20,7 @@ class CacheHarness:
     def __init__(self, max_total_tokens: int = 4096, max_running: int = 8, context_len: int = 512,
                  eos_one_in: int = 0, **args) -> None:
         args.setdefault("enable_mixed_chunk", False)  # the plain loop, step by step
+        args.setdefault("page_size", 1)  # tokens counted one by one, unless a test gives pages
         self.model = FakeModel(eos_one_in, content_dependent=True, max_total_tokens=max_total_tokens)
         self.outputs: list[BatchTokenOut] = []
         self.sched = create_scheduler(ServerArgs(model_path="fake", max_running_requests=max_running, **args),
@@ -215,20 +216,24 @@ def random_workload(rng: random.Random, context_len: int) -> list[tuple[int, str
     return out
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
 @MODES
-def test_random_shared_prefix_loads_give_the_outputs_of_a_run_without_cache(overlap):
+def test_random_shared_prefix_loads_give_the_outputs_of_a_run_without_cache(overlap, page_size):
     """Property: random shared-prefix workloads, pools from smaller than the
-    cached tree (eviction) to roomy, chunking, EOS, retraction and aborts. The
-    accounts add up after every step, the fake model's KV check never fails,
-    nothing leaks, every finished request's tokens equal the run without the
-    cache, and an aborted one's are a prefix of them."""
+    cached tree (eviction) to roomy, chunking, EOS, retraction and aborts,
+    with a slot per token and with pages of several. The accounts add up
+    after every step (each request's own pages filled in order), the fake
+    model's KV check never fails, nothing leaks, every finished request's
+    tokens equal the run without the cache, and an aborted one's are a
+    prefix of them."""
     for seed in range(25):
         rng = random.Random(seed)
         context_len = 256
         load = random_workload(rng, context_len)
         need = max(len(p) + m for _, _, p, m, _ in load)
-        pool = rng.randint(need, 600)
+        pool = rng.randint(need, 600) + page_size - 1  # the longest request fits in whole pages
         common = dict(max_total_tokens=pool, max_running=rng.randint(1, 10), context_len=context_len,
+                      page_size=page_size,
                       eos_one_in=rng.choice([0, 7, 25]), chunked_prefill_size=rng.choice([-1, 8, 32]),
                       schedule_policy=rng.choice(["fcfs", "lpm"]))
         ref = CacheHarness(disable_radix_cache=True, disable_overlap_schedule=True, **common)

@@ -41,10 +41,11 @@ def run(model_dir: str, arrivals, **args) -> Engine:
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
 def test_greedy_outputs_with_the_cache_equal_those_without(tiny_llama_dir, overlap, mixed):
     """With --enable-mixed-chunk too: the running rows' decode slots are taken
-    in the same step as prefills whose tokens the tree may already hold."""
+    in the same step as prefills whose tokens the tree may already hold. The
+    cache runs on pages of 4 tokens (it shares whole pages only)."""
     arrivals = shared_prefix_load(0)
     ref = run(tiny_llama_dir, arrivals, disable_radix_cache=True, disable_overlap_schedule=True)
-    cached = run(tiny_llama_dir, arrivals, chunked_prefill_size=16, max_total_tokens=120,
+    cached = run(tiny_llama_dir, arrivals, chunked_prefill_size=16, max_total_tokens=120, page_size=4,
                  schedule_conservativeness=0.3, enable_mixed_chunk=mixed,
                  disable_overlap_schedule=not overlap)
     if mixed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from scheduler_proc.radix_cache import RadixCache
@@ -96,14 +97,15 @@ def test_reset_frees_every_slot():
     assert tree.total_size == 0 and tree.num_nodes() == 0
 
 
-def test_random_inserts_matches_locks_and_evictions_keep_the_accounts():
-    """Property: against a dict of every inserted sequence, a match is the
-    longest prefix of any cached sequence, sizes always add up, and every slot
-    inserted is freed exactly once between eviction and reset."""
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_random_inserts_matches_locks_and_evictions_keep_the_accounts(page_size):
+    """Property: a match is a prefix the tree holds in whole pages, sizes
+    always add up, and every slot inserted is freed exactly once between
+    eviction and reset; with a slot per token and with pages of two."""
     for seed in range(20):
         rng = random.Random(seed)
         freed = FreeList()
-        tree = RadixCache(freed)
+        tree = RadixCache(freed, page_size)
         next_slot = 1
         owned: set[int] = set()  # slots the tree took
         locks = []
@@ -111,12 +113,14 @@ def test_random_inserts_matches_locks_and_evictions_keep_the_accounts():
             op = rng.random()
             key = [rng.randint(0, 3) for _ in range(rng.randint(1, 8))]
             if op < 0.45:
+                key = key[:len(key) - len(key) % page_size] or [0] * page_size
                 new = slots(*range(next_slot, next_slot + len(key)))
                 next_slot += len(key)
                 had = tree.insert(key, new)
                 owned.update(new[had:].tolist())
             elif op < 0.7:
                 m = tree.match_prefix(key)
+                assert m.length % page_size == 0
                 assert m.slots.tolist() == tree.match_prefix(key[:m.length]).slots.tolist()
                 if rng.random() < 0.5:
                     tree.lock(m.node)
@@ -131,3 +135,35 @@ def test_random_inserts_matches_locks_and_evictions_keep_the_accounts():
             tree.unlock(node)
         tree.reset()
         assert sorted(freed.freed) == sorted(owned)
+
+
+# ---- pages of several tokens ------------------------------------------------------------
+
+def test_with_pages_a_match_and_a_split_stop_at_a_page_boundary():
+    tree = RadixCache(FreeList(), page_size=2)
+    assert tree.insert([1, 2, 3, 4, 5, 6], slots(11, 12, 13, 14, 15, 16)) == 0
+    m = tree.match_prefix([1, 2, 3, 9, 5, 6])  # diverges inside the second page
+    assert m.slots.tolist() == [11, 12] and m.node.key == [1, 2]
+    assert tree.match_prefix([1, 2, 3, 4, 5]).slots.tolist() == [11, 12, 13, 14]  # a partial last page is not matched
+    assert tree.match_prefix([1]).length == 0
+    assert tree.check() is None
+
+
+def test_with_pages_children_that_share_a_first_token_are_told_apart_by_their_first_page():
+    tree = RadixCache(FreeList(), page_size=2)
+    tree.insert([1, 2, 3, 4], slots(11, 12, 13, 14))
+    assert tree.insert([1, 5, 6, 7], slots(21, 22, 23, 24)) == 0  # no whole page in common
+    assert tree.match_prefix([1, 5, 6, 7]).slots.tolist() == [21, 22, 23, 24]
+    assert tree.match_prefix([1, 2, 3, 4]).slots.tolist() == [11, 12, 13, 14]
+    assert tree.evictable_size == 8 and tree.check() is None
+
+
+def test_with_pages_only_whole_pages_go_in_and_eviction_frees_them_whole():
+    freed = FreeList()
+    tree = RadixCache(freed, page_size=4)
+    with pytest.raises(AssertionError):
+        tree.insert([1, 2, 3], slots(1, 2, 3))  # not whole pages
+    tree.insert(list(range(8)), slots(*range(5, 13)))
+    tree.insert(list(range(4)) + [9, 9, 9, 9], slots(*range(5, 9), *range(21, 25)))
+    assert tree.evict(1) == 4 and len(freed.freed) == 4  # one leaf: a whole page
+    assert tree.check() is None

@@ -1,8 +1,9 @@
+import pytest
 import torch
 
 from common.messages import SamplingParams
 from scheduler_proc.cache_manager import CacheManager
-from scheduler_proc.memory import TokenSlotAllocator
+from scheduler_proc.memory import PageAllocator
 from scheduler_proc.req import Req
 from scheduler_proc.schedule_batch import ROW_FIELDS, ScheduleBatch
 
@@ -91,36 +92,98 @@ def test_prepare_for_decode_gives_each_row_one_slot_at_its_next_position():
 
 
 def test_allocator_alloc_and_free_are_exact():
-    alloc = TokenSlotAllocator(10)
-    a = alloc.alloc(4)
-    b = alloc.alloc(6)
-    assert alloc.alloc(1) is None
-    assert sorted(a.tolist() + b.tolist()) == list(range(1, 11))
-    alloc.free(a)
+    alloc = PageAllocator(10, page_size=1)
+    a = alloc.alloc_pages(4)
+    b = alloc.alloc_pages(6)
+    assert alloc.alloc_pages(1) is None
+    assert sorted(a.tolist() + b.tolist()) == list(range(10))
+    alloc.free(alloc.first_slots(a))
     assert alloc.available() == 4
-    assert sorted(alloc.alloc(4).tolist()) == sorted(a.tolist())
+    assert sorted(alloc.alloc_pages(4).tolist()) == sorted(a.tolist())
 
 
-def test_allocator_moves_only_the_slots_it_hands_out_or_takes_back():
-    """Alloc and free copy the slots moved into one preallocated stack: the
-    stack is never reallocated or concatenated (a free costs the slots freed,
-    not the pool), and under random use the free set is always exact."""
+def test_a_pool_of_pages_leaves_its_partial_last_page_unused():
+    alloc = PageAllocator(10, page_size=4)
+    assert alloc.size == 8 and alloc.available() == 8
+    pages = alloc.alloc_pages(2)
+    assert sorted(alloc.first_slots(pages).tolist()) == [1, 5] and alloc.alloc_pages(1) is None
+
+
+def test_freeing_a_run_that_does_not_start_a_page_is_refused():
+    alloc = PageAllocator(16, page_size=4)
+    first = int(alloc.first_slots(alloc.alloc_pages(1))[0])
+    with pytest.raises(AssertionError, match="do not start pages"):
+        alloc.free(torch.arange(first + 1, first + 4))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_allocator_moves_only_the_pages_it_hands_out_or_takes_back(page_size: int):
+    """Alloc and free copy the pages moved into one preallocated stack: the
+    stack is never reallocated or concatenated (a free costs the pages freed,
+    not the pool), and under random use the free set is always exact. Runs
+    are freed as a request frees its own part: from a page's first slot, the
+    last page possibly partly used."""
     import random
 
     rng = random.Random(0)
-    alloc = TokenSlotAllocator(1000)
+    alloc = PageAllocator(1000, page_size)
     storage = alloc.stack.data_ptr()
-    held: list[torch.Tensor] = []
+    held: list[torch.Tensor] = []  # slots of whole pages, in page order
     for _ in range(2000):
         if held and (rng.random() < 0.5 or alloc.available() == 0):
-            alloc.free(held.pop(rng.randrange(len(held))))
+            run = held.pop(rng.randrange(len(held)))
+            alloc.free(run[:max(1, run.numel() - rng.randrange(page_size))])  # a partly used last page
         else:
-            got = alloc.alloc(rng.randint(1, min(50, alloc.available())))
+            got = alloc.alloc_pages(rng.randint(1, min(50 // page_size, alloc.available() // page_size)))
             assert got is not None
-            held.append(got)
+            held.append((alloc.first_slots(got).view(-1, 1) + torch.arange(page_size)).view(-1))
         out = sorted(t for h in held for t in h.tolist())
         assert len(out) + alloc.available() == 1000 and len(set(out)) == len(out)
     assert alloc.stack.data_ptr() == storage
     for h in held:
         alloc.free(h)
-    assert sorted(alloc.stack.tolist()) == list(range(1, 1001))
+    assert sorted(alloc.stack.tolist()) == list(range(1000 // page_size))
+
+
+def test_with_pages_each_request_fills_its_own_pages_in_order():
+    """A prefill takes whole pages per request, decode continues in the
+    request's last page and opens a new one only when it is full, and a
+    chunked request's next chunk fills the rest of its page first."""
+    cache = CacheManager(pool_size=64, num_rows=4, context_len=64, use_tree=False, page_size=4)
+    reqs = [make_req("a", 3), make_req("b", 4)]
+    batch = prefilled_batch(reqs, cache)
+    assert cache.allocator.available() == 64 - 8  # a page each
+    a, b = (cache.table[r.req_pool_idx] for r in reqs)
+    assert (a[:3] - a[0]).tolist() == [0, 1, 2] and (a[0] - 1) % 4 == 0
+    assert (b[:4] - b[0]).tolist() == [0, 1, 2, 3] and (b[0] - 1) % 4 == 0
+    batch.prepare_for_decode(cache)  # a: position 3 in its page; b: a new page
+    assert a[3] == a[2] + 1 and (b[4] - 1) % 4 == 0 and cache.allocator.available() == 64 - 12
+    assert cache.decode_slots(reqs) == 4  # a's page is full now, b has room
+    # a chunk after a partial page: the page's rest, then a new one
+    c = make_req("c", 10)
+    cache.admit(c, None)
+    c.extend_input_len = 2
+    chunk = ScheduleBatch.init_new([c])
+    chunk.prepare_for_extend(cache)
+    c.extend_input_len = 8
+    rest = ScheduleBatch.init_new([c])
+    rest.prepare_for_extend(cache)
+    row = cache.table[c.req_pool_idx, :10]
+    assert (row[:4] - row[0]).tolist() == [0, 1, 2, 3] and (row[4:8] - row[4]).tolist() == [0, 1, 2, 3]
+    assert row[9] == row[8] + 1 and cache.allocator.available() == 64 - 12 - 12
+    assert cache.check_invariant() is None
+    cache.release(c, cache=False)
+    assert cache.allocator.available() == 64 - 12
+
+
+def test_with_pages_the_prefix_cache_keeps_whole_pages_and_frees_the_partial_last_one():
+    cache = CacheManager(pool_size=64, num_rows=4, context_len=64, use_tree=True, page_size=4)
+    r = make_req("a", 10)
+    prefilled_batch([r], cache)
+    cache.cache_unfinished(r, 10)
+    assert r.cache_len == 8 and cache.tree.evictable_size == 0 and cache.tree.protected_size == 8
+    cache.release(r, cache=True)  # the first 8 tokens stay in the tree; the partial page is freed
+    assert cache.tree.evictable_size == 8 and cache.allocator.available() == 64 - 8
+    again = make_req("b", 10)
+    assert cache.match(again).length == 8
+    assert cache.check_invariant() is None

@@ -17,6 +17,9 @@ class Harness:
                  **args) -> None:
         # step-by-step tests of SGLang's plain loop; the mixed one asks for it
         args.setdefault("enable_mixed_chunk", False)
+        # a slot per token: these tests count slots token by token; the paged
+        # pool (the server's default) has its own tests, with page_size given
+        args.setdefault("page_size", 1)
         args = ServerArgs(model_path="fake", max_running_requests=max_running,
                           max_prefill_tokens=max_prefill_tokens, **args)
         self.model = FakeModel(eos_one_in)
