@@ -1,7 +1,7 @@
 """Attention's share of a decode step, torch and native backends, default model.
 
     python -m bench.attention_bench [--dtype float32|bfloat16] [--batches 1 16 64] [--contexts 512 2048]
-                                    [--backends torch native]
+                                    [--backends torch native] [--page-sizes 1 16 64]
 
 Every row sits at `context` tokens whose KV is already in the pool (random
 values on pages of `--page-size` slots drawn at random, as the server's
@@ -23,6 +23,10 @@ pointed at each backend in turn): the first backend's columns are the
 plain ones, each later one adds its step and attention ms and its
 attention as a multiple of the floor. The native backend where its op
 cannot be built is the torch path (logged), and is skipped here.
+
+`--page-sizes` (default: the server's `--page-size`) lays the rows out on
+pages of each size in turn, a case each: page 1 is every token on a slot of
+its own, as the server's pool was before pages.
 
 `--compare` also runs each case (torch backend) the two earlier ways: one batch-wide gather
 into a reused buffer (no row chunks), and one batch-wide gather into a fresh
@@ -151,15 +155,16 @@ def kv_bytes(runner: ModelRunner, batch: int, context: int) -> int:
     return batch * context * pool.num_layers * 2 * pool.k_buffer[0][0].numel() * pool.k_buffer[0].element_size()
 
 
-def run_cases(runner: ModelRunner, cases: list[tuple[int, int]], steps: int,
-              bandwidth: float | None = None, page_size: int = SERVER_PAGE_SIZE) -> list[list[str]]:
-    """Per case: step ms, attention ms, attention share and, given the read
-    bandwidth (bytes/s), attention's floor ms and the share at that floor."""
+def run_cases(runner: ModelRunner, cases: list[tuple[int, int, int]], steps: int,
+              bandwidth: float | None = None) -> list[list[str]]:
+    """Per case (batch, context, page size): step ms, attention ms, attention
+    share and, given the read bandwidth (bytes/s), attention's floor ms and
+    the share at that floor."""
     cells = []
-    for bs, ctx in cases:
-        step, attn = measure(runner, decode_batch(runner, bs, ctx, page_size), steps)
+    for bs, ctx, page in cases:
+        step, attn = measure(runner, decode_batch(runner, bs, ctx, page), steps)
         cells.append([f"{step * 1e3:.1f}", f"{attn * 1e3:.1f}", f"{attn / step:.0%}"])
-        line = f"batch {bs:3d} context {ctx:5d}: step {cells[-1][0]} ms, attention {cells[-1][1]} ms ({cells[-1][2]})"
+        line = f"batch {bs:3d} context {ctx:5d} page {page:3d}: step {cells[-1][0]} ms, attention {cells[-1][1]} ms ({cells[-1][2]})"
         if bandwidth:
             floor = kv_bytes(runner, bs, ctx) / bandwidth
             cells[-1] += [f"{floor * 1e3:.1f}", f"{floor / (step - attn + floor):.0%}"]
@@ -169,8 +174,7 @@ def run_cases(runner: ModelRunner, cases: list[tuple[int, int]], steps: int,
 
 
 def report(runner: ModelRunner, command: str, steps: int, bandwidth: float, header: list[str],
-           rows: list[list[str]], backends: tuple[str, ...] = ("torch",), huge_pages: bool = False,
-           page_size: int = SERVER_PAGE_SIZE) -> str:
+           rows: list[list[str]], backends: tuple[str, ...] = ("torch",), huge_pages: bool = False) -> str:
     cfg = runner.model_config
     table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                       + ["| " + " | ".join(r) + " |" for r in rows])
@@ -185,8 +189,9 @@ def report(runner: ModelRunner, command: str, steps: int, bandwidth: float, head
             f"bandwidth measured before the cases: {bandwidth / 1e9:.1f} GB/s (best `sum` over 512 MiB); "
             f"attention floor = K + V of every row and layer read once at that rate; share at the floor = "
             f"floor / (step - attention + floor). KV pool on {'transparent huge pages' if huge_pages else '4 KiB pages'} "
-            f"(every backend); each row on pages of {page_size} slots drawn at random from the pool (a random "
-            f"permutation of its pages, each filled in order, as the server's allocator lays them). Steps "
+            f"(every backend); each row on pages of `page` slots drawn at random from the pool (a random "
+            f"permutation of its pages, each filled in order, as the server's allocator lays them; the server's "
+            f"default --page-size is {SERVER_PAGE_SIZE}). Steps "
             f"run the model's modules layer by layer, where the attention calls can be timed (a server's decode "
             f"steps take the native decoder, the same ops in one native call: bench/step_bench.py times those).\n\n{table}\n")
 
@@ -200,9 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--backends", nargs="+", default=["torch", "native"], choices=["torch", "native"],
                    help="attention backends, side by side; the first one's columns come first")
-    p.add_argument("--page-size", type=int, default=SERVER_PAGE_SIZE,
-                   help="rows on pages of this many slots drawn at random (the server's --page-size; "
-                        "1: every token on a slot of its own)")
+    p.add_argument("--page-sizes", type=int, nargs="+", default=[SERVER_PAGE_SIZE],
+                   help="rows on pages of this many slots drawn at random, each size a case of its own "
+                        "(default: the server's --page-size; 1: every token on a slot of its own)")
     p.add_argument("--no-huge-pages", action="store_true",
                    help="leave the pool on 4 KiB pages (by default, with the native backend in the run, the "
                         "pool goes on transparent huge pages for every backend, as the native backend sets up)")
@@ -220,8 +225,8 @@ def main(argv: list[str] | None = None) -> None:
         from model_proc import native
         huge = all([native.advise_huge_pages(b) for b in runner.kv_pool.k_buffer + runner.kv_pool.v_buffer])
     fill_pool(runner, max(args.batches) * max(args.contexts), torch.Generator().manual_seed(0))
-    cases = [(bs, ctx) for ctx in args.contexts for bs in args.batches]
-    floors = [kv_bytes(runner, bs, ctx) / bandwidth for bs, ctx in cases]
+    cases = [(bs, ctx, page) for ctx in args.contexts for bs in args.batches for page in args.page_sizes]
+    floors = [kv_bytes(runner, bs, ctx) / bandwidth for bs, ctx, _ in cases]
     backends: list[str] = []
     for name in args.backends:
         backend = use_backend(runner, name)
@@ -231,14 +236,14 @@ def main(argv: list[str] | None = None) -> None:
         backends.append(name)
         print(f"{name} backend:")
         if len(backends) == 1:
-            header = ["batch", "context", "step ms", "attention ms", "attention share", "attention floor ms",
+            header = ["batch", "context", "page", "step ms", "attention ms", "attention share", "attention floor ms",
                       "share at the floor", "attention x floor"]
-            rows = [[str(bs), str(ctx), *cells, f"{float(cells[1]) / (floor * 1e3):.2f}"]
-                    for (bs, ctx), floor, cells in zip(cases, floors,
-                                                       run_cases(runner, cases, args.steps, bandwidth, args.page_size))]
+            rows = [[str(bs), str(ctx), str(page), *cells, f"{float(cells[1]) / (floor * 1e3):.2f}"]
+                    for (bs, ctx, page), floor, cells in zip(cases, floors,
+                                                             run_cases(runner, cases, args.steps, bandwidth))]
         else:
             header += [f"step ms ({name})", f"attention ms ({name})", f"attention x floor ({name})"]
-            for row, floor, cells in zip(rows, floors, run_cases(runner, cases, args.steps, bandwidth, args.page_size)):
+            for row, floor, cells in zip(rows, floors, run_cases(runner, cases, args.steps, bandwidth)):
                 row += [*cells[:2], f"{float(cells[1]) / (floor * 1e3):.2f}"]
     if args.compare:
         # later passes, so that freeing the fresh buffers cannot slow the first
@@ -249,11 +254,11 @@ def main(argv: list[str] | None = None) -> None:
             if "fresh" in label:
                 backend.workspace = FreshWorkspace()
             header += [f"step ms ({label})", f"attention ms ({label})"]
-            for row, cells in zip(rows, run_cases(runner, cases, args.steps, page_size=args.page_size)):
+            for row, cells in zip(rows, run_cases(runner, cases, args.steps)):
                 row += cells[:2]
 
     command = " ".join(["python -m bench.attention_bench", *(sys.argv[1:] if argv is None else argv)])
-    text = report(runner, command, args.steps, bandwidth, header, rows, tuple(backends), huge, args.page_size)
+    text = report(runner, command, args.steps, bandwidth, header, rows, tuple(backends), huge)
     print(text)
     if not args.no_write:
         if not os.path.exists(RESULTS):

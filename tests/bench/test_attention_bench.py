@@ -26,11 +26,11 @@ def test_floor_is_every_k_and_v_byte_read_once_and_the_share_it_would_leave(tiny
     # the cells, from a known measurement
     monkeypatch.setattr(attention_bench, "measure", lambda runner, batch, steps: (0.100, 0.040))
     bandwidth = expected / 0.020  # bytes/s: the floor is 20 ms
-    [cells] = attention_bench.run_cases(runner, [(4, 32)], steps=1, bandwidth=bandwidth)
+    [cells] = attention_bench.run_cases(runner, [(4, 32, 16)], steps=1, bandwidth=bandwidth)
     # step 100 ms, attention 40 ms (40%); at its 20 ms floor: 20 / (100 - 40 + 20) = 25%
     assert cells == ["100.0", "40.0", "40%", "20.0", "25%"]
     # without a bandwidth only the measured three
-    assert attention_bench.run_cases(runner, [(1, 16)], steps=1) == [["100.0", "40.0", "40%"]]
+    assert attention_bench.run_cases(runner, [(1, 16, 1)], steps=1) == [["100.0", "40.0", "40%"]]
 
 
 def test_timed_calls_warms_up_then_takes_the_min_or_the_median(monkeypatch):
