@@ -232,11 +232,34 @@ constexpr int kDecodeBlock = 32;  // keys per online-softmax update
 // prefetched, every cache line of them, while this block runs: the slots
 // are scattered, so no hardware prefetcher can guess them (1.7x faster than
 // prefetching only the first line of each row, same measurement).
+// acc[g] = acc[g] * alpha[g] + sum_t p[g][t] V[t] for G query heads of one KV
+// head (accumulators in registers, each V row widened once for all G).
+template <typename T, int D, int G, typename Prefetch>
+inline void pv_group(const T* const* vrow, int n, const float (*p)[kDecodeBlock], const float* alpha, float* acc,
+                     Prefetch& prefetch_some, int per_piece) {
+  constexpr int C = D / 16;
+  V16 av[G][C];
+  for (int g = 0; g < G; ++g) {
+    const V16 al = V16::bcast(alpha[g]);
+    for (int c = 0; c < C; ++c) av[g][c] = V16::load(acc + g * D + 16 * c) * al;
+  }
+  for (int t = 0; t < n; ++t) {
+    prefetch_some(per_piece);
+    V16 v[C];
+    for (int c = 0; c < C; ++c) v[c] = V16::load(vrow[t] + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const V16 pt = V16::bcast(p[g][t]);
+      for (int c = 0; c < C; ++c) av[g][c] = V16::fma(pt, v[c], av[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) av[g][c].store(acc + g * D + 16 * c);
+}
+
 template <typename T, int D>
 void decode_part(const float* q, const T* qraw, float scale, int heads, int group, const T* k_buf, const T* v_buf,
                  int64_t slot_stride, const int64_t* slots, int64_t k0, int64_t k1, float* acc, float* m, float* l,
                  float* scratch) {
-  constexpr int C = D / 16;
   const int nq = heads * group;
   const int row_bytes = static_cast<int>(heads * D * sizeof(T));
   auto prefetch_slot = [&](int64_t slot) {
@@ -267,7 +290,6 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
   float (*s)[kDecodeBlock] = reinterpret_cast<float (*)[kDecodeBlock]>(scratch);
   float (*p)[kDecodeBlock] = s + nq;
   float* alpha = scratch + 2 * nq * kDecodeBlock;
-  alignas(64) float vb[kDecodeBlock * D];
   for (int64_t t = k0; t < std::min(k1, k0 + kDecodeBlock); ++t) prefetch_slot(slots[t]);  // the first block, now
   for (int64_t t0 = k0; t0 < k1; t0 += kDecodeBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kDecodeBlock, k1 - t0));
@@ -283,9 +305,9 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
     pf_end = std::min(k1, t0 + 2 * kDecodeBlock);
     pf_line = 0;
     // lines of the next block per piece of this one: its slot rows' lines
-    // spread over the pieces (scores, softmax, V rows, P x V per head)
-    const int per_piece = (static_cast<int>(pf_end - pf_t) * row_bytes / 64 + heads * (4 * group + n) - 1) /
-                          (heads * (4 * group + n));
+    // spread over the pieces (scores, softmax, P x V per key)
+    const int per_piece = (static_cast<int>(pf_end - pf_t) * row_bytes / 64 + heads * (3 * group + n) - 1) /
+                          (heads * (3 * group + n));
     for (int h = 0; h < heads; ++h) {
       const T* kh[kDecodeBlock];
       for (int t = 0; t < kDecodeBlock; ++t) kh[t] = krow[t] + h * D;
@@ -311,31 +333,20 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
         l[i] = l[i] * alpha[i] + sum;
         m[i] = mn;
       }
-      // the block's V rows of head h as float32: the pool's own (float32) or
-      // converted once into vb for the group (bfloat16)
-      const float* vrow[kDecodeBlock];
-      for (int t = 0; t < n; ++t) {
-        const T* vr = vrow0[t] + h * D;
-        prefetch_some(per_piece);
-        if constexpr (std::is_same_v<T, float>) {
-          vrow[t] = vr;
-        } else {
-          for (int c = 0; c < C; ++c) V16::load(vr + 16 * c).store(vb + t * D + 16 * c);
-          vrow[t] = vb + t * D;
+      // P x V: each V row of head h read (and widened to float32) once for
+      // the whole query group, up to 4 heads' accumulators in registers at a
+      // time (12-16 independent FMA chains; one head at a time left the FMAs
+      // waiting on each other and reloaded the row per head)
+      const T* vh[kDecodeBlock];
+      for (int t = 0; t < n; ++t) vh[t] = vrow0[t] + h * D;
+      for (int g0 = 0; g0 < group; g0 += 4) {
+        const int i0 = h * group + g0;
+        switch (std::min(4, group - g0)) {
+          case 1: pv_group<T, D, 1>(vh, n, &p[i0], alpha + i0, acc + i0 * D, prefetch_some, per_piece); break;
+          case 2: pv_group<T, D, 2>(vh, n, &p[i0], alpha + i0, acc + i0 * D, prefetch_some, per_piece); break;
+          case 3: pv_group<T, D, 3>(vh, n, &p[i0], alpha + i0, acc + i0 * D, prefetch_some, per_piece); break;
+          default: pv_group<T, D, 4>(vh, n, &p[i0], alpha + i0, acc + i0 * D, prefetch_some, per_piece); break;
         }
-      }
-      for (int g = 0; g < group; ++g) {
-        const int i = h * group + g;
-        prefetch_some(per_piece);
-        float* a = acc + i * D;
-        V16 av[C];
-        const V16 al = V16::bcast(alpha[i]);
-        for (int c = 0; c < C; ++c) av[c] = V16::load(a + 16 * c) * al;
-        for (int t = 0; t < n; ++t) {
-          const V16 pt = V16::bcast(p[i][t]);
-          for (int c = 0; c < C; ++c) av[c] = V16::fma(pt, V16::load(vrow[t] + 16 * c), av[c]);
-        }
-        for (int c = 0; c < C; ++c) av[c].store(a + 16 * c);
       }
     }
     prefetch_some(std::numeric_limits<int>::max());
