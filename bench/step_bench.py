@@ -288,7 +288,8 @@ def parse_server_log(lines: list[str], batch: int, stat: str) -> dict:
 
 
 def bench_server(dtype: str, cases: list[tuple[int, int]], stat: str, max_tokens: int, vocab: int,
-                 extra_flags: tuple[str, ...] = (), label: str = "server") -> dict:
+                 extra_flags: tuple[str, ...] = (), label: str = "server",
+                 page: int = SERVER_PAGE_SIZE) -> dict:
     from tests.e2e.server_process import ServerProcess
 
     out: dict = {}
@@ -300,13 +301,13 @@ def bench_server(dtype: str, cases: list[tuple[int, int]], stat: str, max_tokens
     if not runnable:
         return out
     max_batch = max(b for b, _ in runnable)
-    page = int(extra_flags[extra_flags.index("--page-size") + 1]) if "--page-size" in extra_flags else SERVER_PAGE_SIZE
     # every request's tokens in whole pages: no retraction while the steps are measured
     pool = max(b * -(-(c - PROMPT_SHORT + NEW_TOKENS) // page) * page for b, c in runnable) + 16 * page
     server = ServerProcess(
         "--dtype", dtype, "--max-running-requests", str(max_batch), "--max-total-tokens", str(pool),
         "--context-length", str(max(c for _, c in runnable) - PROMPT_SHORT + NEW_TOKENS + 8),
-        "--chunked-prefill-size", "4096", "--log-level", "debug", *extra_flags, startup_timeout=600)
+        "--chunked-prefill-size", "4096", "--page-size", str(page), "--log-level", "debug", *extra_flags,
+        startup_timeout=600)
     rng = random.Random(0)
     try:
         for b, c in runnable:
@@ -455,16 +456,17 @@ def main(argv: list[str] | None = None) -> None:
               else 0.3 * mem_available_bytes())
 
     cases = [(b, c) for c in args.contexts for b in args.batches]
-    server_flags = (("--tp-size", str(args.tp_size)) if args.tp_size > 1 else ()) + ("--page-size", str(args.page_size))
+    tp_flags = ("--tp-size", str(args.tp_size)) if args.tp_size > 1 else ()
     results: dict[tuple[str, str, int, int], dict] = {}
     for dt in args.dtypes:
         parts = {
             "forward": lambda: bench_forward(dt, cases, args.steps, args.stat, args.pool_max_tokens, args.page_size),
             "transformers": lambda: bench_transformers(dt, cases, args.steps, args.stat, max_kv, model_dir, cfg),
             "server": lambda: bench_server(dt, cases, args.stat, args.server_max_tokens, cfg.vocab_size,
-                                           server_flags),
+                                           tp_flags, page=args.page_size),
             "server-no-overlap": lambda: bench_server(dt, cases, args.stat, args.server_max_tokens, cfg.vocab_size,
-                                                      ("--disable-overlap-schedule", *server_flags), "server plain"),
+                                                      ("--disable-overlap-schedule", *tp_flags), "server plain",
+                                                      page=args.page_size),
         }
         for what in WHATS:
             if what in args.what:
