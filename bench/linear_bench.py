@@ -15,7 +15,7 @@ plain F.linear. The native op's weights sit where the model puts them, in
 one buffer on transparent huge pages (layers.move_packed_onto_huge_pages);
 `--native-pages huge 4k` also times them on ordinary 4 KiB pages
 ("native-4k"); `--native-amx on off` also times the native op with
-brgemm taking the calls of 17-48 rows its own AMX loop takes in the model
+brgemm taking the calls of 17-64 rows its own AMX loop takes in the model
 ("native-brgemm"). The kernels take turns, case by case, twice; the median of
 each kernel's timed steps is reported, with the weights' read rate and, next
 to it, the read bandwidth measured on the spot. The table is printed and
@@ -85,7 +85,7 @@ def weight_bytes(dtype: torch.dtype) -> int:
 @dataclass(frozen=True)
 class Variant:
     """A kernel, and for the native one where its weights sit and whether its
-    own AMX loop takes the calls of 17-48 rows (else brgemm takes them all)."""
+    own AMX loop takes the calls of 17-64 rows (else brgemm takes them all)."""
     kernel: MatmulKernel
     huge_pages: bool = True
     amx: bool = True
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--native-pages", nargs="+", choices=["huge", "4k"], default=["huge"],
                    help="where the native op's weights sit: huge pages (as in the model), 4 KiB pages, or both")
     p.add_argument("--native-amx", nargs="+", choices=["on", "off"], default=["on"],
-                   help="whether the native op's own AMX loop takes 17-48 rows (on, as in the model) or brgemm "
+                   help="whether the native op's own AMX loop takes 17-64 rows (on, as in the model) or brgemm "
                         "takes every call (off), or both")
     p.add_argument("--steps", type=int, default=5, help="timed steps per kernel and turn")
     p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")

@@ -4,7 +4,7 @@
 //
 // Matmuls (`Linear`): y = x @ W.T with its epilogue (bias, the residual add, the MLP's
 // SiLU(gate) * up) fused, every product on the matrix units through torch's
-// brgemm (AMX, or AVX512_BF16), or, for 17-48 rows on AMX, this file's own
+// brgemm (AMX, or AVX512_BF16), or, for 17-64 rows on AMX, this file's own
 // tile loop (bit-identical, faster there; see "the AMX loop").
 //
 // Why not oneDNN's packed matmul, which the float32 path keeps: every matmul
@@ -14,6 +14,7 @@
 //   rows        1     8    32    64   256   1024
 //   oneDNN    17.7  18.5  23.2  26.9  61.8  243.8
 //   this      13.6  13.9  19.1  22.9  46.4  188.0
+// (before the AMX loop took 17-64 rows with its K chunks and prefetch).
 // A decode step's matmuls read every weight once; at 1 to 8 rows this loop
 // reads them at ~19-20 GB/s (the machine's `sum` read 22-24 GB/s), oneDNN at
 // 13-15.
@@ -69,11 +70,11 @@ bool supported() {
 #endif
 }
 
-// The AMX loop below (17 to 48 rows) where the CPU has AMX and Linux grants
+// The AMX loop below (17 to 64 rows) where the CPU has AMX and Linux grants
 // its state to this process; brgemm alone otherwise. Switchable off for
 // benchmarks and tests.
 bool amx_enabled = true;
-constexpr int64_t kAmxMinRows = 17, kAmxMaxRows = 48;
+constexpr int64_t kAmxMinRows = 17, kAmxMaxRows = 64;
 
 bool amx_usable() {
 #ifdef BS_AMX
@@ -170,25 +171,37 @@ inline void normalize_row(const at::BFloat16* in, at::BFloat16* out, int64_t H, 
 
 
 #ifdef BS_AMX
-// ---- the AMX loop for 17 to 48 rows ---------------------------------------------------------
+// ---- the AMX loop for 17 to 64 rows ---------------------------------------------------------
 // brgemm is slower there than at 16 rows by more than the extra products
-// (the model's matmuls at 17 rows 16.5 ms against 12.7 at 16). This loop
-// takes a block's rows 16 at a time against its whole 64 columns: the
-// model's matmuls (python -m bench.linear_bench's step, one process, the two
-// alternated, 2026-12-02) at 17 / 24 / 32 / 40 / 48 rows took 15.5 / 15.6 /
-// 16.0 / 18.7 / 19.3 ms against brgemm's 16.5 / 16.6 / 17.1 / 20.0 / 19.9;
-// at 56 and 64 rows 2% slower, at 1-16 rows 4-8% slower, so brgemm keeps
-// those. The products are the same, in the same order: bit-identical to
-// brgemm's. Measured and not kept: T0/T1 prefetch of the weights 2-16 KiB
-// ahead (no gain, slower at 64 rows); sub-blocks of 16 columns packed
-// contiguously with every weight tile used by all row tiles at once (no
-// gain at 64 rows, 16% slower at 256: brgemm then has to run on 16 columns).
+// (the model's matmuls at 17 rows 16.5 ms against 12.7 at 16), and at 64
+// rows a decode step's matmuls took ~19.5 ms against the weights' ~11 ms at
+// the read rate: the weight stream and the products added up instead of
+// overlapping. This loop takes one task's rows (up to 4 tiles of 16) against
+// its block's 64 columns, in chunks of 256 of K: each chunk's weights
+// (32 KiB) are read from memory once and used by every row tile from L1,
+// the 16 x 64 float32 result of each row tile kept in c between chunks.
+// While it runs, it prefetches the weights of the thread's next task into
+// L2, two lines of every KiB (the L2's own streamer fetches the rest; every
+// line by software takes the core's fill buffers from the tile loads).
+// Measured (the model's matmuls, python -m bench.linear_bench's step, one
+// process, the variants alternated, 2026-12-02), ms at 17 / 24 / 40 / 48 /
+// 56 / 64 rows:
+//   brgemm                     14.20 14.45 17.18 17.12 18.53 19.61
+//   row tiles over the whole K 13.19 13.40 15.84 16.45 18.34 19.38
+//   chunks of 256 + prefetch   12.78 12.81 14.12 14.65 16.21 16.99
+// and at 64 rows: chunks alone (128) 19.39, the prefetch alone 18.06-18.27;
+// chunks of 64 / 128 / 192 / 288 with it 20.04 / 17.42 / 16.83-16.92 / 17.46;
+// prefetching one line per KiB 17.50, two per 2 KiB 17.46, four per KiB
+// 17.44, every line 17.90. The products are the same, in the same order
+// (a chunk's float32 sums go through memory exactly): bit-identical to
+// brgemm's. brgemm keeps 1-16 rows (this loop was 4-8% slower there).
 //
 // Tiles: tmm0-3 C (16 rows x 16 columns each: the block's 64), tmm4/7 A (16
 // rows x 32 deep, alternating between K steps), tmm5/6 B (16 K pairs x 16
 // columns of the block's VNNI layout, alternating). A K step reads the
 // block's 4 KiB of weights for it in order; a row tile of fewer than 16 rows
 // reads a zero-padded copy (its extra rows' results are never stored).
+constexpr int64_t kAmxKChunk = 256;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -207,11 +220,26 @@ inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
+// Prefetch of the next task's weights, spread over this task's K steps:
+// two lines of each KiB from `next` on.
+struct WeightPrefetch {
+  const char* next = nullptr;
+  int64_t kib = 0;       // KiB of it left
+  int64_t per_step = 0;  // KiB per K step
+  void step() {
+    for (int64_t i = 0; i < per_step && kib > 0; ++i, --kib, next += 1024) {
+      _mm_prefetch(next, _MM_HINT_T1);
+      _mm_prefetch(next + 64, _MM_HINT_T1);
+    }
+  }
+};
+
 // One K step: A (tile TA) times the block's four B tiles into C0-3.
 #define BS_AMX_STEP(TA, k)                                 \
   do {                                                     \
     const at::BFloat16* wk = w + (k) * BN;                 \
     _tile_loadd(TA, a + (k), lda);                         \
+    pf.step();                                             \
     _tile_loadd(5, wk, BN * 4);                            \
     _tile_dpbf16ps(0, TA, 5);                              \
     _tile_loadd(6, wk + 32, BN * 4);                       \
@@ -222,23 +250,39 @@ inline void configure_tiles() {
     _tile_dpbf16ps(3, TA, 6);                              \
   } while (0)
 
-// c [16, BN] float32 (row stride BN) = 16 rows a (row stride lda bytes) @ one
-// packed block w [K/2, BN, 2].
-inline void amx_row_tile(const at::BFloat16* a, int64_t lda, const at::BFloat16* w, int64_t K, float* c) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    BS_AMX_STEP(4, k);
-    BS_AMX_STEP(7, k + 32);
+// c [tiles * 16, BN] float32 (row stride BN) = the row tiles a[m] (row
+// stride lda[m] bytes, 16 rows each) @ one packed block w [K/2, BN, 2].
+inline void amx_block(const at::BFloat16* const* a_tiles, const int64_t* lda_tiles, int tiles,
+                      const at::BFloat16* w, int64_t K, float* c, WeightPrefetch& pf) {
+  for (int64_t k0 = 0; k0 < K; k0 += kAmxKChunk) {
+    const int64_t k1 = std::min(K, k0 + kAmxKChunk);
+    for (int m = 0; m < tiles; ++m) {
+      float* cm = c + m * 16 * BN;
+      if (k0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      } else {
+        _tile_loadd(0, cm, BN * 4);
+        _tile_loadd(1, cm + 16, BN * 4);
+        _tile_loadd(2, cm + 32, BN * 4);
+        _tile_loadd(3, cm + 48, BN * 4);
+      }
+      const at::BFloat16* a = a_tiles[m];
+      const int64_t lda = lda_tiles[m];
+      int64_t k = k0;
+      for (; k + 64 <= k1; k += 64) {
+        BS_AMX_STEP(4, k);
+        BS_AMX_STEP(7, k + 32);
+      }
+      if (k < k1) BS_AMX_STEP(4, k);
+      _tile_stored(0, cm, BN * 4);
+      _tile_stored(1, cm + 16, BN * 4);
+      _tile_stored(2, cm + 32, BN * 4);
+      _tile_stored(3, cm + 48, BN * 4);
+    }
   }
-  if (k < K) BS_AMX_STEP(4, k);
-  _tile_stored(0, c, BN * 4);
-  _tile_stored(1, c + 16, BN * 4);
-  _tile_stored(2, c + 32, BN * 4);
-  _tile_stored(3, c + 48, BN * 4);
 }
 #undef BS_AMX_STEP
 #endif  // BS_AMX
@@ -286,7 +330,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, bool 
   // the AMX loop for a few rows (see above); brgemm from there on
   const bool amx = M >= kAmxMinRows && M <= kAmxMaxRows && K % 32 == 0 && amx_usable();
   const int64_t full_rows = M / 16 * 16;  // rows in whole 16-row tiles; the rest (AMX) read a padded copy
-#pragma omp parallel num_threads(threads_for(tasks))
+  const int threads = threads_for(tasks);
+#pragma omp parallel num_threads(threads)
   {
     if (norm) {
 #pragma omp for  // its implicit barrier: every row is ready before any product
@@ -310,14 +355,25 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, bool 
       const int64_t unit = t / tiles, row0 = (t % tiles) * tile, rows = std::min(tile, M - row0);
 #ifdef BS_AMX
       if (amx) {
-        for (int64_t h = 0; h < per_task; ++h) {
-          const at::BFloat16* wb = wp + (unit * per_task + h) * K * BN;
-          for (int64_t m0 = 0; m0 < rows; m0 += 16) {
-            const bool whole = row0 + m0 + 16 <= full_rows;
-            amx_row_tile(whole ? xp + (row0 + m0) * ldx : pad.data(), (whole ? ldx : K) * 2, wb, K,
-                         c.data() + h * tile * BN + m0 * BN);
-          }
+        const at::BFloat16* a_tiles[4];
+        int64_t lda_tiles[4];
+        int row_tiles = 0;
+        for (int64_t m0 = 0; m0 < rows; m0 += 16, ++row_tiles) {
+          const bool whole = row0 + m0 + 16 <= full_rows;
+          a_tiles[row_tiles] = whole ? xp + (row0 + m0) * ldx : pad.data();
+          lda_tiles[row_tiles] = (whole ? ldx : K) * 2;
         }
+        // this thread's next task, as dynamic scheduling mostly hands them out: t + threads
+        WeightPrefetch pf;
+        if (t + threads < tasks) {
+          pf.next = reinterpret_cast<const char*>(wp + (t + threads) / tiles * per_task * K * BN);
+          pf.kib = per_task * K * BN * 2 / 1024;
+          const int64_t steps = per_task * row_tiles * ((K + 31) / 32);
+          pf.per_step = (pf.kib + steps - 1) / steps;
+        }
+        for (int64_t h = 0; h < per_task; ++h)
+          amx_block(a_tiles, lda_tiles, row_tiles, wp + (unit * per_task + h) * K * BN, K, c.data() + h * tile * BN,
+                    pf);
       } else
 #endif
       for (int64_t h = 0; h < per_task; ++h) {
@@ -579,6 +635,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &DecoderStack::num_layers);
   m.def("set_amx", [](bool on) { amx_enabled = on; },
-        "whether the AMX loop takes 17-48 rows where it can run (the default), or brgemm every call");
+        "whether the AMX loop takes 17-64 rows where it can run (the default), or brgemm every call");
   m.def("amx_enabled", [] { return amx_enabled; }, "the switch set_amx sets");
 }

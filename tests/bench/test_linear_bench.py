@@ -26,7 +26,7 @@ def test_every_available_kernel_is_timed_and_compared(capsys):
                          ids=["huge-and-4k-pages", "amx-loop-and-brgemm"])
 def test_a_native_option_given_both_values_times_both_side_by_side(capsys, flag, rows, other):
     """--native-pages huge 4k: the weights on huge and on 4 KiB pages;
-    --native-amx on off: 17-48 rows on the op's AMX loop and on brgemm (the
+    --native-amx on off: 17-64 rows on the op's AMX loop and on brgemm (the
     switch is back on afterwards, as the model runs)."""
     linear_bench.main(["--rows", rows, "--steps", "1", "--kernels", "native", *flag.split(), "--no-write"])
     out = capsys.readouterr().out

@@ -120,16 +120,17 @@ def test_packed_weights_move_onto_one_huge_page_buffer_unchanged(monkeypatch):
 @pytest.mark.skipif(native_layers_op(torch.device("cpu")) is None, reason="needs the native layer ops (AMX or AVX512_BF16)")
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_native_amx_loop_equals_brgemm_bit_for_bit(gated, monkeypatch):
-    """17-48 rows take the op's own AMX loop where the CPU has AMX (brgemm
+    """17-64 rows take the op's own AMX loop where the CPU has AMX (brgemm
     elsewhere): the same products in the same order, so the same bits as
     brgemm, with a short last row tile (a padded copy), a fused norm, bias
-    and residual, and widths that are not whole blocks."""
+    and residual, widths that are not whole blocks, and a K of two whole
+    chunks of 256 and a part of one (96: an odd number of K steps)."""
     op = native_layers_op(torch.device("cpu"))
     gen = torch.Generator().manual_seed(7)
-    lin, _w, _b = make_linear(torch.bfloat16, gen, True, MatmulKernel.NATIVE, gated, monkeypatch, shape=(340, 96))
+    lin, _w, _b = make_linear(torch.bfloat16, gen, True, MatmulKernel.NATIVE, gated, monkeypatch, shape=(340, 608))
     with torch.inference_mode():
-        for rows in (16, 17, 31, 32, 40, 48, 49):
-            x = torch.randn(rows, 192, generator=gen).to(torch.bfloat16)[:, :96]
+        for rows in (16, 17, 31, 32, 40, 48, 49, 63, 64, 65):
+            x = torch.randn(rows, 2 * 608, generator=gen).to(torch.bfloat16)[:, :608]
             add = torch.randn(rows, lin.out_features, generator=gen).to(torch.bfloat16)
             try:
                 op.set_amx(False)
