@@ -9,7 +9,11 @@ one more):
 
 - forward: `ModelRunner.forward` in this process (what the model process
   reports as `ForwardResult.forward_time`: req_to_token update, metadata,
-  the model, greedy sampling). No prefill is run: the KV pool is filled with
+  the model, greedy sampling). Run as a script, the process first restarts
+  itself under the model process's runtime (common/cpu_runtime.py: tcmalloc
+  preloaded where installed, libgomp's short spin), so its steps pay no
+  page faults the server's do not (glibc's malloc returns the step's large
+  buffers to the kernel and faults them in again). No prefill is run: the KV pool is filled with
   random values and each row's table points at C slots on pages of
   `--page-size` slots drawn at random (bench/kv_layout.py), as the server's
   allocator lays a request out. Above `--pool-max-tokens` distinct slots
@@ -74,6 +78,7 @@ import torch
 from bench.attention_bench import Timer
 from bench.kv_layout import SERVER_PAGE_SIZE, scattered_pages
 from bench.machine_rates import matmul_rate, read_bandwidth, timed_calls
+from common.cpu_runtime import CpuAllocator, allocator_preload, preloaded_allocator, with_omp_spin, with_preload
 from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
 from model_proc.dtypes import resolve_dtype
@@ -292,6 +297,7 @@ def bench_server(dtype: str, cases: list[tuple[int, int]], stat: str, max_tokens
                  page: int = SERVER_PAGE_SIZE) -> dict:
     from tests.e2e.server_process import ServerProcess
 
+    restore_launch_environment()
     out: dict = {}
     runnable = [(b, c) for b, c in cases if b * c <= max_tokens]
     for b, c in cases:
@@ -368,7 +374,8 @@ def report(command: str, floor: Floor, results: dict, dtypes: list[str], cases: 
             f"{cfg.num_kv_heads} kv heads), {platform.machine()}, {os.cpu_count()} cores, torch "
             f"{torch.__version__}, {torch.get_num_threads()} threads, attention backend "
             f"{ServerArgs().attention_backend} (the default); server rows with --tp-size {tp_size} and "
-            f"--page-size {page_size}, forward rows on pages of {page_size} slots drawn at random. "
+            f"--page-size {page_size}, forward rows on pages of {page_size} slots drawn at random "
+            f"(this process's allocator: {preloaded_allocator()}). "
             f"Measured on the spot: read bandwidth "
             f"{floor.bandwidth / 1e9:.1f} GB/s, matmul {rates}. {stat.capitalize()} of the timed steps "
             f"(server: of the log windows); load average {load[0]:.1f} at the start, {load[1]:.1f} at "
@@ -483,5 +490,34 @@ def main(argv: list[str] | None = None) -> None:
         write_json(json_rows(results, floor, args.tp_size))
 
 
+# set in the restarted process: the settings it changed, as they were (JSON; None: unset)
+REEXEC_MARK = "BATCHSERVE_STEP_BENCH_RUNTIME"
+RUNTIME_VARS = ("LD_PRELOAD", "GOMP_SPINCOUNT")
+
+
+def under_model_runtime() -> None:
+    """Restart this script once under the model process's runtime (the
+    launcher's: tcmalloc preloaded where installed, libgomp's short spin), if
+    it is not already."""
+    env = with_omp_spin(with_preload(dict(os.environ), allocator_preload(CpuAllocator.AUTO, "cpu")), "cpu")
+    if env != dict(os.environ) and REEXEC_MARK not in os.environ:
+        env[REEXEC_MARK] = json.dumps({k: os.environ.get(k) for k in RUNTIME_VARS})
+        os.execve(sys.executable, [sys.executable, "-m", "bench.step_bench", *sys.argv[1:]], env)
+
+
+def restore_launch_environment() -> None:
+    """The environment this script was started with, for the servers it
+    launches: their launcher sets the model process's runtime itself."""
+    saved = os.environ.get(REEXEC_MARK)
+    if saved is None:
+        return
+    for key, value in json.loads(saved).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 if __name__ == "__main__":
+    under_model_runtime()
     main()
