@@ -4,6 +4,7 @@ real run of the forward and transformers paths on the default model."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -57,3 +58,14 @@ def test_a_small_real_run_prints_forward_and_transformers_against_the_floor(defa
         assert "x)" in forward and "x)" in transformers  # "ms (ratio x)" cells
         assert float(ratio) > 0
         assert r[6] == "-"  # no server in this run
+
+
+def test_servers_get_the_environment_the_script_was_started_with(monkeypatch):
+    """The restarted script (the model process's runtime) hands the servers it
+    launches the settings it changed as they were: set ones back, unset ones gone."""
+    monkeypatch.setenv(step_bench.REEXEC_MARK, json.dumps({"LD_PRELOAD": "libold.so", "GOMP_SPINCOUNT": None}))
+    monkeypatch.setenv("LD_PRELOAD", "libtcmalloc_minimal.so.4 libold.so")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
+    step_bench.restore_launch_environment()
+    assert os.environ["LD_PRELOAD"] == "libold.so"
+    assert "GOMP_SPINCOUNT" not in os.environ
