@@ -211,6 +211,12 @@ inline void normalize_row(const at::BFloat16* in, at::BFloat16* out, int64_t H, 
 // 17.44, every line 17.90. The products are the same, in the same order
 // (a chunk's float32 sums go through memory exactly): bit-identical to
 // brgemm's. brgemm keeps 1-16 rows (this loop was 4-8% slower there).
+// Measured and not kept, before the chunks: T0/T1 prefetch of the weights
+// 2-16 KiB ahead (no gain); sub-blocks of 16 columns packed contiguously with
+// every weight tile used by all row tiles at once (no gain at 64 rows, 16%
+// slower at 256). With the chunks: 2 x 2 quadrants of 32 x 32 over the whole
+// K, the next call's first blocks prefetched during a call's last tasks, row
+// tiles of 32 for calls of few blocks (bench/RESULTS.md, 2026-12-02).
 //
 // Tiles: tmm0-3 C (16 rows x 16 columns each: the block's 64), tmm4/7 A (16
 // rows x 32 deep, alternating between K steps), tmm5/6 B (16 K pairs x 16
