@@ -18,7 +18,7 @@ from common.messages import ReadyMsg, ToSchedulerMsg
 from common.peer_watch import PeerWatch, exit_when_lost
 from common.proc import child_main_setup
 from scheduler_proc.model_client import ZmqModelClient
-from scheduler_proc.padded_batching import create_scheduler
+from scheduler_proc.create import create_scheduler
 
 logger = logging.getLogger("scheduler")
 

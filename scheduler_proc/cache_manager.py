@@ -66,6 +66,10 @@ class CacheManager:
         """Slots a request can get now: the free list plus what eviction frees."""
         return self.allocator.available() + (self.tree.evictable_size if self.tree else 0)
 
+    def token_usage(self) -> float:
+        """Share of the pool held by requests (cached but evictable slots are free)."""
+        return 1.0 - self.available() / self.size
+
     def pages_for(self, tokens: int) -> int:
         """Slots that `tokens` tokens starting on a page boundary take: whole pages."""
         return slots_taken(0, tokens, self.page_size)
@@ -223,6 +227,7 @@ class CacheManager:
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = 0
         req.kv_len = req.cache_len = req.table_sync_len = 0
+        req.penalty_state_sent = False  # its next row gets its state rebuilt at its extend
 
     def _unlock(self, req: Req) -> None:
         if req.last_node is not None:

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from common.messages import PenaltyInit, SamplingParams, TokenizedGenerateReq
 from scheduler_proc.finish_reason import FinishAbort, FinishLength, FinishMatchedToken, FinishReason
+
+
+class ReqState(Enum):
+    """Where a request is in its lifecycle (docs/architecture.md draws it)."""
+
+    WAITING_FOR_GRAMMAR = "waiting for its grammar"  # its grammar is compiling
+    WAITING = "waiting"  # in the waiting queue, never admitted
+    RUNNING = "running"  # holds a table row: prefilling (maybe in chunks) or decoding
+    RETRACTED = "retracted"  # back in the waiting queue with its tokens, its KV freed
+    FINISHED = "finished"  # has its finish reason; its KV is freed (or kept as padding)
 
 
 @dataclass(slots=True, eq=False)  # identity, not field-wise, equality
@@ -119,6 +130,16 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def state(self) -> ReqState:
+        if self.finish is not None:
+            return ReqState.FINISHED
+        if self.grammar_future is not None:
+            return ReqState.WAITING_FOR_GRAMMAR
+        if self.req_pool_idx:
+            return ReqState.RUNNING
+        return ReqState.RETRACTED if self.num_retractions else ReqState.WAITING
 
     @property
     def finished(self) -> bool:

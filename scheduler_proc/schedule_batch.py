@@ -12,6 +12,7 @@ run in the same pass over the weights as the prefill.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
@@ -262,3 +263,13 @@ class ScheduleBatch:
             grammar_rows=grammar_rows,
             grammar_bitmask=fill_bitmask([self.reqs[i].grammar for i in grammar_rows]) if grammar_rows else b"",
         )
+
+
+class NeedsResults(Enum):
+    """What a batch chooser returns when it cannot choose before the step in
+    flight is processed (its finished rows free KV, its tokens are needed)."""
+
+    NEEDS_RESULTS = "needs results"
+
+
+NEEDS_RESULTS = NeedsResults.NEEDS_RESULTS

@@ -15,7 +15,7 @@ def recorded_run():
     for i in range(4):
         h.submit(f"r{i}", n_prompt=10, max_new=30)
     h.run_until_idle()
-    assert h.sched.total_retractions >= 1
+    assert h.sched.decode.total_retractions >= 1
     return list(h.sched.timeline.events)
 
 

@@ -30,7 +30,7 @@ def submit(engine: Engine, rid: str, ids: list[int], max_new: int, sp: SamplingP
     sp = sp or SamplingParams(max_new_tokens=max_new, temperature=0.0)
     engine.sched.process_input_requests([TokenizedGenerateReq(
         rid=rid, input_ids=ids, sampling_params=sp, return_logprob=True, top_logprobs_num=5)])
-    engine.reqs[rid] = engine.sched.reqs_by_rid[rid]
+    engine.reqs[rid] = engine.sched.queue.by_rid[rid]
 
 
 def run_trace(engine: Engine, arrivals: dict[int, list[tuple[str, list[int], int, SamplingParams | None]]]) -> None:
@@ -78,7 +78,7 @@ def target_alone_and_busy(model_dir: str, **engine_args):
     arrivals = busy_trace(seed=3, sampled=False)
     arrivals.setdefault(2, []).append(("target", target, TARGET_NEW, None))
     run_trace(busy, arrivals)
-    assert busy.sched.total_retractions >= 1, "the small pool never retracted: the trace is too light"
+    assert busy.sched.decode.total_retractions >= 1, "the small pool never retracted: the trace is too light"
     return busy.reqs["target"], alone.reqs["target"]
 
 
@@ -98,7 +98,7 @@ def test_seeded_sampled_requests_repeat_on_the_same_trace(tiny_llama_dir):
         run_trace(engine, busy_trace(seed=5, sampled=True))
         runs.append(engine)
     first, second = runs
-    assert first.sched.total_retractions >= 1, "the small pool never retracted: the trace is too light"
+    assert first.sched.decode.total_retractions >= 1, "the small pool never retracted: the trace is too light"
     sampled = [rid for rid, r in first.reqs.items() if r.sampling_params.seed is not None]
     assert len(sampled) == 6
     for rid, req in first.reqs.items():

@@ -22,20 +22,20 @@ from tests.scheduler.test_scheduler import MODES, Harness
 def test_new_token_ratio_decays_each_decode_step_and_resets_when_idle():
     h = Harness(max_running=2)
     s = h.sched
-    assert s.new_token_ratio == pytest.approx(0.7)
-    assert s.min_new_token_ratio == pytest.approx(0.7 * 0.14)
+    assert s.ratio.value == pytest.approx(0.7)
+    assert s.ratio.min == pytest.approx(0.7 * 0.14)
     h.submit("a", n_prompt=4, max_new=30)
     for _ in range(11):  # 1 prefill + 10 decode steps
         s.step()
-    assert s.new_token_ratio == pytest.approx(0.7 - 10 * (0.7 - 0.098) / 600)
+    assert s.ratio.value == pytest.approx(0.7 - 10 * (0.7 - 0.098) / 600)
     h.run_until_idle()
     s.step()
-    assert s.new_token_ratio == pytest.approx(0.7)
+    assert s.ratio.value == pytest.approx(0.7)
 
 
 def test_schedule_conservativeness_scales_the_ratio():
     h = Harness(schedule_conservativeness=1.3)
-    assert h.sched.new_token_ratio == pytest.approx(0.91)
+    assert h.sched.ratio.value == pytest.approx(0.91)
 
 
 def test_admission_counts_ignore_eos_requests_at_ratio_one():
@@ -61,10 +61,10 @@ def test_retraction_frees_kv_requeues_at_front_and_counts(caplog, overlap):
     h.run_until_idle()
     finals = h.finals()
     assert all(f[0] == {"type": "length", "length": 30} for f in finals.values())
-    assert h.sched.total_retractions >= 1
+    assert h.sched.decode.total_retractions >= 1
     retracted = {m.rids[i]: m.num_retractions[i] for m in h.outputs for i in range(len(m.rids))
                  if m.finished_reasons[i] is not None}
-    assert sum(retracted.values()) == h.sched.total_retractions
+    assert sum(retracted.values()) == h.sched.decode.total_retractions
     assert "KV cache pool is full. Retract requests. #retracted_reqs: " in caplog.text
     assert "#new_token_ratio: " in caplog.text
     h.assert_no_leak()
@@ -73,7 +73,7 @@ def test_retraction_frees_kv_requeues_at_front_and_counts(caplog, overlap):
     for i in range(6):
         big.submit(f"r{i}", n_prompt=10, max_new=30)
     big.run_until_idle()
-    assert big.sched.total_retractions == 0
+    assert big.sched.decode.total_retractions == 0
     for rid in finals:
         assert h.tokens(rid) == big.tokens(rid)
 
@@ -90,11 +90,11 @@ def test_retraction_picks_fewest_decoded_then_longest_prompt():
     s.step()  # prefill both: 1 token each; "old" has 6
     s.step()
     s.resolve_inflight()  # with overlap a step is still out: victims need all their tokens
-    batch = s.running_batch
+    batch = s.decode.running_batch
     # take every free slot so that the next decode needs a retraction
     hog = s.cache.allocator.alloc_pages(s.cache.allocator.available() - 2)  # pages of 1 slot
-    s.retract_decode(batch)
-    assert [r.rid for r in s.waiting_queue] == ["long_prompt"]
+    s.decode.retract_decode(batch)
+    assert [r.rid for r in s.queue.waiting] == ["long_prompt"]
     assert [r.rid for r in batch.reqs] == ["old", "short_prompt"]
     s.cache.allocator.free(s.cache.allocator.first_slots(hog))
     h.run_until_idle()
@@ -270,7 +270,7 @@ def test_static_batching_utilisation_is_sum_over_batch_times_max(overlap):
             break
         sizes.append(len(b))
     assert sizes == [8] * 64  # every step computes all 8 rows: nothing leaves
-    assert h.sched.utilisation() == sum(CHAPTER_LENGTHS) / (8 * 64)
+    assert h.sched.output.utilisation() == sum(CHAPTER_LENGTHS) / (8 * 64)
     assert all(h.finals()[f"r{i}"][1] == n for i, n in enumerate(CHAPTER_LENGTHS))
     h.assert_no_leak()
 
@@ -295,7 +295,7 @@ def test_continuous_batching_utilisation_is_one(overlap):
     for i, n in enumerate(CHAPTER_LENGTHS):
         h.submit(f"r{i}", n_prompt=5, max_new=n, ignore_eos=True)
     h.run_until_idle()
-    assert h.sched.utilisation() == 1.0
+    assert h.sched.output.utilisation() == 1.0
     h.assert_no_leak()
 
 
@@ -338,4 +338,24 @@ def test_out_of_range_values_from_a_peer_abort_one_request_not_the_loop():
     h.submit("ok", n_prompt=3, max_new=3)
     h.run_until_idle()
     assert h.finals()["ok"][0]["type"] == "length"
+    h.assert_no_leak()
+
+
+def test_a_request_moves_waiting_running_retracted_running_finished():
+    """Req.state names each stop of the lifecycle docs/architecture.md draws."""
+    from scheduler_proc.req import ReqState
+    h = Harness(max_running=8, max_total_tokens=200, disable_overlap_schedule=True)
+    s = h.sched
+    h.submit("a", n_prompt=5, max_new=20)
+    req = s.queue.by_rid["a"]
+    assert req.state is ReqState.WAITING
+    s.step()  # its prefill
+    assert req.state is ReqState.RUNNING
+    s.step()  # a decode step: it is in the running batch now
+    s.decode.retract(req)
+    s.decode.running_batch.filter_batch([])
+    s.queue.waiting.appendleft(req)
+    assert req.state is ReqState.RETRACTED
+    h.run_until_idle()
+    assert req.state is ReqState.FINISHED and len(req.output_ids) == 20
     h.assert_no_leak()

@@ -39,7 +39,7 @@ class Engine:
                             ignore_eos=self.ignore_eos)
         self.sched.process_input_requests([TokenizedGenerateReq(
             rid=rid, input_ids=prompt, sampling_params=sp, return_logprob=True, top_logprobs_num=5)])
-        self.reqs[rid] = self.sched.reqs_by_rid[rid]
+        self.reqs[rid] = self.sched.queue.by_rid[rid]
 
     def run(self, arrivals: dict[int, list[tuple[str, list[int], int]]]) -> list[int]:
         """arrivals: step number -> requests submitted before that step. Returns
@@ -59,7 +59,7 @@ class Engine:
     def assert_no_leak(self) -> None:
         s = self.sched
         assert_no_leak(s)
-        assert not s.reqs_by_rid and not s.waiting_queue and s.running_batch is None
+        assert not s.queue.by_rid and not s.queue.waiting and s.decode.running_batch is None
 
 
 def check_against_transformers(engine: Engine, model_dir: str, arrivals) -> list[str]:
@@ -124,7 +124,7 @@ def test_tiny_model_engine_with_mixed_steps_equals_transformers(tiny_llama_dir, 
     engine = Engine(tiny_llama_dir, max_running_requests=4, max_total_tokens=512, chunked_prefill_size=32,
                     enable_mixed_chunk=True, attention_backend=backend, disable_overlap_schedule=not overlap)
     engine.run(arrivals)
-    assert engine.sched.num_mixed_steps >= 3
+    assert engine.sched.decode.num_mixed_steps >= 3
     engine.assert_no_leak()
     partings = check_against_transformers(engine, tiny_llama_dir, arrivals)
     assert not partings, partings

@@ -76,8 +76,8 @@ def test_overlap_gives_the_plain_loops_outputs_under_random_load(batching, radix
         off = random_load(seed, False, batching, radix_cache=radix_cache)
         assert streamed(on.outputs) == streamed(off.outputs), f"seed {seed}"
         if not radix_cache:
-            assert on.sched.total_retractions == off.sched.total_retractions
-        retractions += on.sched.total_retractions
+            assert on.sched.decode.total_retractions == off.sched.decode.total_retractions
+        retractions += on.sched.decode.total_retractions
     assert batching != "continuous" or retractions > 0  # the loads did retract
 
 
@@ -159,7 +159,7 @@ def test_stop_token_ends_the_output_exactly_and_the_late_row_is_thrown_away(over
     h = Harness(disable_overlap_schedule=not overlap)
     h.submit("a", n_prompt=3, max_new=50, stream=True)
     h.submit("b", n_prompt=4, max_new=12, stream=True)  # keeps the batch going
-    req = h.sched.waiting_queue[0]
+    req = h.sched.queue.waiting[0]
     tokens = expected_tokens(req.origin_input_ids[-1], 6)
     req.stop_token_ids = frozenset({tokens[2]})
     h.sched.step()
@@ -179,9 +179,9 @@ def test_max_new_tokens_is_exact_and_no_step_runs_past_it(overlap):
     h = Harness(disable_overlap_schedule=not overlap)
     h.submit("a", n_prompt=3, max_new=5, stream=True)
     h.submit("b", n_prompt=4, max_new=12)
-    prompt_last = h.sched.waiting_queue[0].origin_input_ids[-1]
+    prompt_last = h.sched.queue.waiting[0].origin_input_ids[-1]
     h.sched.step()
-    row = h.sched.reqs_by_rid["a"].req_pool_idx
+    row = h.sched.queue.by_rid["a"].req_pool_idx
     h.run_until_idle()
     out = streamed(h.outputs)
     assert out["a"] == (expected_tokens(prompt_last, 5), {"type": "length", "length": 5})
@@ -221,7 +221,7 @@ def real_model_run(model_dir: str, overlap: bool, arrivals, stops: dict[str, int
             engine.sched.process_input_requests([TokenizedGenerateReq(
                 rid=rid, input_ids=prompt, sampling_params=sp, return_logprob=True,
                 top_logprobs_num=3)])
-            engine.reqs[rid] = engine.sched.reqs_by_rid[rid]
+            engine.reqs[rid] = engine.sched.queue.by_rid[rid]
         if engine.sched.step() is None and step > max(arrivals) and engine.sched.is_idle():
             break
         step += 1
@@ -251,7 +251,7 @@ def test_tiny_model_greedy_outputs_and_logprobs_are_identical_with_overlap_on_an
     runs = {overlap: real_model_run(tiny_llama_dir, overlap, arrivals, stops)
             for overlap in (True, False)}
     for overlap, engine in runs.items():
-        assert engine.sched.total_retractions >= 1, overlap
+        assert engine.sched.decode.total_retractions >= 1, overlap
         events = [e["event"] for e in engine.sched.timeline.events if e["type"] == "req"]
         assert "chunk" in events
     on, off = runs[True], runs[False]

@@ -78,7 +78,7 @@ def run(model_dir: str, reqs, **args) -> Engine:
     for rid, prompt, sp in reqs:
         engine.sched.process_input_requests([TokenizedGenerateReq(rid=rid, input_ids=prompt,
                                                                   sampling_params=sp)])
-        engine.reqs[rid] = engine.sched.reqs_by_rid[rid]
+        engine.reqs[rid] = engine.sched.queue.by_rid[rid]
     engine.run({0: []})
     engine.assert_no_leak()
     return engine

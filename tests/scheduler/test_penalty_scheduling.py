@@ -37,7 +37,7 @@ def run_penalty_load(overlap: bool, **args) -> Harness:
             submit(h, rid, 10 + 5 * i, 30, frequency_penalty=0.5)
         else:
             submit(h, rid, 10 + 5 * i, 30)
-    h.reqs = dict(h.sched.reqs_by_rid)
+    h.reqs = dict(h.sched.queue.by_rid)
     h.run_until_idle()
     for i, rid in enumerate(PENALTY_RIDS):
         last = prompt(rid, 10 + 5 * i)[-1]
@@ -50,7 +50,7 @@ def run_penalty_load(overlap: bool, **args) -> Harness:
 @MODES
 def test_penalized_rows_keep_their_token_history_through_chunks_retraction_and_overlap(overlap):
     h = run_penalty_load(overlap)
-    assert h.sched.total_retractions >= 1
+    assert h.sched.decode.total_retractions >= 1
     assert any(h.reqs[r].num_retractions for r in PENALTY_RIDS if r.startswith("p"))
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from common.messages import AbortReq, BatchTokenOut, SamplingParams, SchedulerQuery, TokenizedGenerateReq
 from common.server_args import ServerArgs
-from scheduler_proc.padded_batching import create_scheduler
+from scheduler_proc.create import create_scheduler
 from tests.scheduler.fake_model import FakeModel, fake_model_info
 from tests.scheduler.test_scheduler import MODES, assert_no_leak
 
@@ -289,7 +289,7 @@ def test_the_property_load_does_hit_the_cache_evict_and_retract():
         h.run_until_idle()
         hits += h.sched.cache.matched_tokens
         evictions += counted[0]
-        retractions += h.sched.total_retractions
+        retractions += h.sched.decode.total_retractions
     assert hits > 1000 and evictions > 100 and retractions > 0, (hits, evictions, retractions)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from common.messages import AbortReq, BatchTokenOut, SamplingParams, TokenizedGenerateReq
 from common.server_args import ServerArgs
-from scheduler_proc.padded_batching import create_scheduler
+from scheduler_proc.create import create_scheduler
 from scheduler_proc.scheduler import Scheduler
 from tests.scheduler.fake_model import EOS, FakeModel, fake_model_info, next_token
 
@@ -56,7 +56,7 @@ class Harness:
 
     def assert_no_leak(self) -> None:
         assert_no_leak(self.sched)
-        assert not self.sched.reqs_by_rid
+        assert not self.sched.queue.by_rid
 
 
 def assert_no_leak(sched: Scheduler) -> None:
@@ -108,7 +108,7 @@ def test_running_batch_never_exceeds_max_running_requests(overlap):
         batch = h.sched.step()
         if batch is None:
             break
-        running = len(h.sched.running_batch) if h.sched.running_batch else 0
+        running = len(h.sched.decode.running_batch) if h.sched.decode.running_batch else 0
         if batch.forward_mode == "extend":
             running += len(batch)
         sizes.append(running)
@@ -145,9 +145,9 @@ def test_rows_join_and_leave_the_running_batch_mid_flight(overlap):
 def test_stop_token_finishes_with_matched_id(overlap):
     h = Harness(disable_overlap_schedule=not overlap)
     h.submit("a", n_prompt=3, max_new=50)
-    prompt_last = h.sched.waiting_queue[0].origin_input_ids[-1]
+    prompt_last = h.sched.queue.waiting[0].origin_input_ids[-1]
     third = expected_tokens(prompt_last, 3)[-1]
-    h.sched.waiting_queue[0].stop_token_ids = frozenset({EOS, third})
+    h.sched.queue.waiting[0].stop_token_ids = frozenset({EOS, third})
     h.run_until_idle()
     assert h.finals()["a"] == ({"type": "stop", "matched": third}, 3)
     h.assert_no_leak()
@@ -222,7 +222,7 @@ def test_abort_of_waiting_request_removes_it_from_the_queue():
     h.submit("b", n_prompt=3, max_new=5)
     h.sched.step()
     h.sched.process_input_requests([AbortReq(rid="b")])
-    assert not h.sched.waiting_queue
+    assert not h.sched.queue.waiting
     h.run_until_idle()
     assert h.finals()["b"][0]["type"] == "abort" and h.finals()["b"][1] == 0
     h.assert_no_leak()
@@ -255,7 +255,7 @@ def test_duplicate_rid_in_flight_is_dropped_without_touching_the_first():
     h = Harness()
     h.submit("a", n_prompt=3, max_new=5)
     h.submit("a", n_prompt=30, max_new=9)
-    assert len(h.sched.waiting_queue) == 1 and not h.outputs
+    assert len(h.sched.queue.waiting) == 1 and not h.outputs
     h.run_until_idle()
     assert h.finals()["a"] == ({"type": "length", "length": 5}, 5)
     h.assert_no_leak()

@@ -78,7 +78,7 @@ def run_all(engine: Engine, reqs: list[tuple[str, list[int], SamplingParams]]) -
     for rid, prompt, sp in reqs:
         engine.sched.process_input_requests([TokenizedGenerateReq(rid=rid, input_ids=prompt,
                                                                   sampling_params=sp)])
-        engine.reqs[rid] = engine.sched.reqs_by_rid[rid]
+        engine.reqs[rid] = engine.sched.queue.by_rid[rid]
     step_until_idle(engine)
     engine.assert_no_leak()
     return {rid: engine.reqs[rid] for rid, _, _ in reqs}
@@ -100,7 +100,7 @@ def test_random_json_schemas_always_give_valid_json_in_a_busy_batch_with_retract
     engine = Engine(default_model_dir, ignore_eos=False, dtype="bfloat16", max_running_requests=40,
                     max_total_tokens=650, schedule_conservativeness=0.01)
     out = run_all(engine, reqs)
-    assert engine.sched.total_retractions > 0
+    assert engine.sched.decode.total_retractions > 0
     for rid, _, sp in reqs:
         req = out[rid]
         text = chat.decode(req.output_ids)
@@ -165,13 +165,13 @@ def test_a_request_waiting_for_its_grammar_holds_up_nobody(default_model_dir, ch
                                                             grammar=grammar)),
         TokenizedGenerateReq(rid="plain", input_ids=chat("Hello"),
                              sampling_params=SamplingParams(max_new_tokens=6, temperature=0.0))])
-    constrained, plain = sched.reqs_by_rid["constrained"], sched.reqs_by_rid["plain"]
+    constrained, plain = sched.queue.by_rid["constrained"], sched.queue.by_rid["plain"]
     for _ in range(50):
         sched.step()
         if plain.finished:
             break
     assert plain.finished_reason == {"type": "length", "length": 6}  # ran to the end meanwhile
-    assert constrained in sched.grammar_queue and not constrained.output_ids
+    assert constrained in sched.queue.grammar_wait and not constrained.output_ids
     assert not sched.is_idle() and sched.state()["num_grammar_queue_reqs"] == 1
     gate.set()
     step_until_idle(engine)

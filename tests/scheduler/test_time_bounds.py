@@ -52,7 +52,7 @@ def test_a_deadline_mid_chunked_prefill_frees_every_slot(clock, overlap):
     h = Harness(max_running=4, chunked_prefill_size=16, disable_overlap_schedule=not overlap)
     submit(h, "long", 200, 10, timeout_s=1.0)
     h.sched.step()
-    assert h.sched.chunked_req is not None and h.sched.chunked_req.rid == "long"
+    assert h.sched.prefill.chunked_req is not None and h.sched.prefill.chunked_req.rid == "long"
     clock[0] += 1.5
     submit(h, "next", 10, 5)
     h.run_until_idle()
@@ -84,7 +84,7 @@ def test_a_deadline_while_waiting_is_an_abort_not_a_refusal(clock):
     clock[0] += 1.5
     h.sched.step()
     assert h.finals()["waiting"] == (DEADLINE, 0)
-    assert "waiting" not in h.sched.reqs_by_rid and len(h.sched.waiting_queue) == 0
+    assert "waiting" not in h.sched.queue.by_rid and len(h.sched.queue.waiting) == 0
     clock[0] += 30
     h.run_until_idle()
     h.assert_no_leak()

@@ -1,0 +1,166 @@
+"""RequestQueue: requests from arrival to admission, and the index of every
+live request (intake, the grammar wait, time bounds, the end of a rid)."""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections import deque
+from typing import Callable
+
+from common.messages import MAX_LOGIT_BIAS, ModelInfo, TokenizedGenerateReq
+from common.server_args import ServerArgs
+from scheduler_proc.grammar import GrammarBackend, ReqGrammar
+from scheduler_proc.req import Req
+
+logger = logging.getLogger(__name__)
+
+QUEUE_FULL_STATUS = 503  # also a queue timeout: the client may retry
+BAD_REQUEST_STATUS = 400  # refused at admission: the request can never run here
+
+
+def default_queue_limit(max_running_requests: int, pool_tokens: int) -> int:
+    """Waiting requests allowed without --max-queued-requests: enough to refill
+    the running batch 8 times, or to fill the KV pool with 64-token requests,
+    and never fewer than 128. A bounded queue turns overload into quick 503s
+    instead of unbounded memory and waits."""
+    return max(128, 8 * max_running_requests, pool_tokens // 64)
+
+
+class RequestQueue:
+    """`waiting`: ready to be admitted (the prefill manager orders it);
+    `grammar_wait`: their grammar still compiling; `by_rid`: every request
+    not yet finished, wherever it is."""
+
+    def __init__(self, args: ServerArgs, model_info: ModelInfo, pool_size: int,
+                 pages_for: Callable[[int], int]) -> None:
+        self.args = args
+        self.model_info = model_info
+        self.pool_size = pool_size
+        self.pages_for = pages_for
+        self.max_queued = args.max_queued_requests if args.max_queued_requests is not None \
+            else default_queue_limit(args.max_running_requests, model_info.max_total_tokens)
+        self.waiting: deque[Req] = deque()
+        self.grammar_wait: list[Req] = []
+        self.grammar_backend = GrammarBackend(model_info.tokenizer_path, model_info.vocab_size,
+                                              model_info.eos_token_ids)
+        self.by_rid: dict[str, Req] = {}
+        # time bounds, earliest first: (time.time(), rid); an entry whose
+        # request finished (or whose rid was reused) is dropped when it comes up
+        self.deadlines: list[tuple[float, str]] = []
+        self.queue_deadlines: list[tuple[float, str]] = []  # --queue-timeout-ms
+
+    def __len__(self) -> int:
+        """Requests waiting, for their grammar or for admission."""
+        return len(self.waiting) + len(self.grammar_wait)
+
+    def add(self, msg: TokenizedGenerateReq) -> Req | None:
+        """The request for `msg`, queued; or refused (returned finished, for
+        the caller to answer); None: dropped, its rid is live already."""
+        req = Req.from_message(msg, self.model_info.eos_token_ids)
+        if msg.rid in self.by_rid:
+            # The tokenizer process refuses duplicates; answering this one would
+            # finish the request that owns the rid.
+            logger.error("dropping request with duplicate rid %r", msg.rid)
+            return None
+        error = self.validate(req)
+        if error is not None:
+            req.abort(error, status_code=BAD_REQUEST_STATUS)
+        elif len(self) >= self.max_queued:
+            req.abort(f"the queue is full ({self.max_queued} requests waiting)", status_code=QUEUE_FULL_STATUS)
+        if req.finished:
+            return req
+        self.by_rid[req.rid] = req
+        timeout = msg.timeout_s if msg.timeout_s is not None else self.args.request_timeout_s
+        if timeout is not None:
+            req.deadline = req.arrival_time + timeout
+            heapq.heappush(self.deadlines, (req.deadline, req.rid))
+        if self.args.queue_timeout_ms is not None:
+            heapq.heappush(self.queue_deadlines, (req.arrival_time + self.args.queue_timeout_ms / 1000, req.rid))
+        if req.sampling_params.grammar is not None:
+            req.grammar_future = self.grammar_backend.compile(req.sampling_params.grammar)
+            self.grammar_wait.append(req)
+        else:
+            self.waiting.append(req)
+        return req
+
+    def validate(self, req: Req) -> str | None:
+        """The tokenizer process already checks these; a scheduler never trusts a peer."""
+        n = len(req.origin_input_ids)
+        sp = req.sampling_params
+        max_new = sp.max_new_tokens
+        vocab = self.model_info.vocab_size
+        if n == 0:
+            return "the prompt is empty"
+        # out-of-range values would overflow the batch's int64 tensors and stop the loop
+        if not -1 <= sp.top_k < 2**31 or (sp.seed is not None and not -1 <= sp.seed < 2**63) \
+                or max_new < 1 or not all(0 <= t < vocab for t in req.origin_input_ids):
+            return "sampling parameters or token ids out of range"
+        if not -2 <= sp.frequency_penalty <= 2 or not -2 <= sp.presence_penalty <= 2 \
+                or not 0 < sp.repetition_penalty <= 2 or not 0 <= sp.min_new_tokens <= max_new \
+                or not all(0 <= t < vocab and abs(b) <= MAX_LOGIT_BIAS for t, b in sp.logit_bias.items()) \
+                or (sp.stream_interval is not None and sp.stream_interval < 1):
+            return "penalties, logit_bias, min_new_tokens or stream_interval out of range"
+        if sp.grammar is not None and sp.min_new_tokens > 0:
+            return "min_new_tokens cannot be combined with a grammar (json_schema, regex, ebnf)"
+        if not -1 <= req.logprob_start_len < n:
+            return f"logprob_start_len ({req.logprob_start_len}) must be -1 or below the prompt length ({n})"
+        context_len = self.model_info.context_len
+        if n + max_new > context_len:
+            return (f"prompt ({n} tokens) plus max_new_tokens ({max_new}) exceeds the context "
+                    f"length ({context_len})")
+        if self.pages_for(n + max_new) > self.pool_size:
+            return (f"prompt ({n} tokens) plus max_new_tokens ({max_new}) can never fit in the "
+                    f"KV pool ({self.pool_size} tokens), even alone")
+        return None
+
+    def take_compiled(self) -> list[Req]:
+        """Requests whose grammar compiled join the waiting queue, in arrival
+        order; those whose grammar failed are returned, refused, to be ended."""
+        failed: list[Req] = []
+        still: list[Req] = []
+        for req in self.grammar_wait:
+            if not req.grammar_future.done():
+                still.append(req)
+                continue
+            error = req.grammar_future.exception()
+            if error is not None:
+                req.abort(f"invalid grammar: {error}", status_code=BAD_REQUEST_STATUS)
+                failed.append(req)
+                continue
+            req.grammar = ReqGrammar(req.grammar_future.result())
+            req.grammar_future = None
+            self.waiting.append(req)
+        self.grammar_wait = still
+        return failed
+
+    def expired(self, now: float) -> list[Req]:
+        """Requests past their deadline, given their abort: wherever they are;
+        and those still waiting for their first prefill after
+        --queue-timeout-ms (a 503). The caller ends them."""
+        out: list[Req] = []
+        while self.deadlines and self.deadlines[0][0] <= now:
+            t, rid = heapq.heappop(self.deadlines)
+            req = self.by_rid.get(rid)
+            if req is not None and req.deadline == t and not req.finished:
+                req.abort("deadline exceeded")
+                out.append(req)
+        while self.queue_deadlines and self.queue_deadlines[0][0] <= now:
+            t, rid = heapq.heappop(self.queue_deadlines)
+            req = self.by_rid.get(rid)
+            if req is not None and req.admit_time is None and not req.finished \
+                    and t == req.arrival_time + self.args.queue_timeout_ms / 1000:  # not a reused rid
+                req.abort("request queue timeout", status_code=QUEUE_FULL_STATUS)
+                out.append(req)
+        return out
+
+    def remove(self, req: Req) -> None:
+        """Out of whichever queue holds it (it was ended before admission)."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.grammar_wait:
+            self.grammar_wait.remove(req)
+
+    def forget(self, req: Req) -> None:
+        """Its rid is free for reuse."""
+        self.by_rid.pop(req.rid, None)
