@@ -1,13 +1,13 @@
-"""bench/attention_bench.py on a tiny random model: the attention share and
-its floor, and bench/machine_rates.py's timing helper."""
+"""bench/micro/attention_bench.py on a tiny random model: the attention share and
+its floor, and bench/lib/machine_rates.py's timing helper."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench import attention_bench
-from bench.machine_rates import timed_calls
+from bench.micro import attention_bench
+from bench.lib.machine_rates import timed_calls
 
 
 def test_floor_is_every_k_and_v_byte_read_once_and_the_share_it_would_leave(tiny_llama_dir, make_runner,
@@ -35,7 +35,7 @@ def test_floor_is_every_k_and_v_byte_read_once_and_the_share_it_would_leave(tiny
 
 def test_timed_calls_warms_up_then_takes_the_min_or_the_median(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr("bench.machine_rates.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("bench.lib.machine_rates.time.perf_counter", lambda: now[0])
 
     def call_taking(durations):
         it = iter(durations)

@@ -1,4 +1,4 @@
-"""bench/batching_study.py's table and plots, on made-up runs (no server, no model)."""
+"""bench/serving/batching_study.py's table and plots, on made-up runs (no server, no model)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from bench import batching_study as study
-from bench import study_modes, study_report
+from bench.serving import batching_study as study
+from bench.lib import study_modes, study_report
 
 
 def raw_run(throughput: float, ttfts: list[float], output_lens: list[int], util: float | None = None) -> dict:
@@ -60,7 +60,7 @@ def test_server_flags_per_mode():
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
                     reason="matplotlib is not installed (the optional `bench` extra)")
 def test_plots_are_written(tmp_path):
-    from bench.study_plots import draw_all
+    from bench.plots.study_plots import draw_all
 
     rows = [study_report.table_row("chapter", m, raw_run(t, [0.1, 0.2], [2, 3]), "ok")
             for m, t in (("static", 5.0), ("continuous", 20.0))]

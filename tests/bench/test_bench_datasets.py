@@ -1,4 +1,4 @@
-"""bench/datasets.py: the traces' lengths, prompts and seeds."""
+"""bench/lib/datasets.py: the traces' lengths, prompts and seeds."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from bench.datasets import (CHAPTER_OUTPUT_LENS, GSP_SEPARATOR, chapter_lens, exponential_lens, next_history,
+from bench.lib.datasets import (CHAPTER_OUTPUT_LENS, GSP_SEPARATOR, chapter_lens, exponential_lens, next_history,
                             poisson_arrivals, sample_conversations, sample_rows, turn_prompt, uniform_lens)
 
 

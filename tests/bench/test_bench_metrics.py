@@ -1,13 +1,13 @@
-"""bench/metrics.py, the token clock of bench/backends.py, and bench/utilisation.py."""
+"""bench/lib/metrics.py, the token clock of bench/lib/backends.py, and bench/lib/utilisation.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bench.backends import TokenClock
-from bench.metrics import RequestResult, format_summary, percentile_ms, summarize, tpot
-from bench.utilisation import batch_utilisation, expected_utilisation, groups_by_first_token, harmonic
+from bench.lib.backends import TokenClock
+from bench.lib.metrics import RequestResult, format_summary, percentile_ms, summarize, tpot
+from bench.lib.utilisation import batch_utilisation, expected_utilisation, groups_by_first_token, harmonic
 
 
 def result(ttft: float, itl: list[float], prompt: int = 10, ok: bool = True) -> RequestResult:
@@ -84,7 +84,7 @@ def test_batches_are_recovered_from_first_token_times():
 
 
 def test_cpu_wait_share_from_pressure_stall_counters(tmp_path):
-    from bench.cpu_pressure import CpuWait, some_total_us
+    from bench.lib.cpu_pressure import CpuWait, some_total_us
 
     psi = tmp_path / "cpu"
     psi.write_text("some avg10=1.00 avg60=2.00 avg300=3.00 total=1000000\n"
@@ -99,7 +99,7 @@ def test_cpu_wait_share_from_pressure_stall_counters(tmp_path):
 
 
 def test_waiting_for_a_quiet_cpu_reads_the_10s_average(tmp_path):
-    from bench.cpu_pressure import some_avg, wait_for_quiet
+    from bench.lib.cpu_pressure import some_avg, wait_for_quiet
 
     psi = tmp_path / "cpu"
     psi.write_text("some avg10=12.50 avg60=2.00 avg300=3.00 total=5\n")

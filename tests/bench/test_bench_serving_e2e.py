@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import bench_serving
+from bench.serving import bench_serving
 from tests.e2e.server_process import ServerProcess
 
 NUM, OUT = 3, 4

@@ -1,11 +1,11 @@
-"""bench/deterministic_cost.py: a small real run prints one row per case,
+"""bench/micro/deterministic_cost.py: a small real run prints one row per case,
 default vs --deterministic, with the cost between them."""
 
 from __future__ import annotations
 
 import re
 
-from bench import deterministic_cost
+from bench.micro import deterministic_cost
 
 
 def test_one_row_per_case_with_both_times_and_their_ratio(default_model_dir, capsys):

@@ -1,10 +1,10 @@
-"""bench/kv_layout.py: the benches lay rows out as the server's allocator does."""
+"""bench/lib/kv_layout.py: the benches lay rows out as the server's allocator does."""
 
 from __future__ import annotations
 
 import torch
 
-from bench.kv_layout import scattered_pages
+from bench.lib.kv_layout import scattered_pages
 
 
 def test_rows_sit_on_whole_pages_filled_in_order_and_drawn_at_random():

@@ -1,11 +1,11 @@
-"""bench/linear_bench.py runs each kernel this machine has and reports them side by side."""
+"""bench/micro/linear_bench.py runs each kernel this machine has and reports them side by side."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench import linear_bench
+from bench.micro import linear_bench
 from model_proc.layers import native_layers_op
 
 

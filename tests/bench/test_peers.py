@@ -1,12 +1,12 @@
-"""bench/peers.py: one trace, this server and a peer side by side, with the floors."""
+"""bench/serving/peers.py: one trace, this server and a peer side by side, with the floors."""
 
 from __future__ import annotations
 
 import json
 import os
 
-from bench import peers
-from bench.server_launcher import LaunchedServer
+from bench.serving import peers
+from bench.lib.server_launcher import LaunchedServer
 from model_proc.model import ModelConfig
 from tests.helpers import TINY_CONFIG
 

@@ -1,9 +1,9 @@
-"""bench/penalty_cost.py: a small real run on the tiny model gives one row per
+"""bench/micro/penalty_cost.py: a small real run on the tiny model gives one row per
 batch size, with the three cases timed and the penalty work alone."""
 
 from __future__ import annotations
 
-from bench import penalty_cost
+from bench.micro import penalty_cost
 
 
 def test_one_row_per_batch_with_every_case_timed(tiny_llama_dir, capsys):

@@ -1,10 +1,10 @@
-"""bench/prefill_bench.py on a tiny random model: both targets, both ways, in one run."""
+"""bench/micro/prefill_bench.py on a tiny random model: both targets, both ways, in one run."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import prefill_bench
+from bench.micro import prefill_bench
 from tests.helpers import make_tiny_llama
 
 

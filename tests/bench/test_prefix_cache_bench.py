@@ -1,4 +1,4 @@
-"""bench/prefix_cache.py and the prefix-cache side of bench_serving: the
+"""bench/serving/prefix_cache.py and the prefix-cache side of bench_serving: the
 multi-turn driver and cached-token accounting against a fake server whose
 "cache" is known, the report on made-up rows, and one tiny end-to-end run
 against our real server."""
@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from bench import bench_serving, prefix_cache
-from bench.datasets import DatasetRow
-from bench.metrics import RequestResult, summarize
+from bench.serving import bench_serving, prefix_cache
+from bench.lib.datasets import DatasetRow
+from bench.lib.metrics import RequestResult, summarize
 
 
 class FakeServer:
@@ -267,7 +267,7 @@ def test_prefix_cache_bench_serves_both_workloads_with_the_cache_on_and_off(tiny
 
     saved = json.loads((tmp_path / "prefix_cache.json").read_text())
     assert saved == json.loads(json.dumps(result))
-    assert saved["command"].startswith("python -m bench.prefix_cache --model-path")
+    assert saved["command"].startswith("python -m bench.serving.prefix_cache --model-path")
     rows = saved["rows"]
     assert [(r["workload"], r["cache"]) for r in rows] == [
         ("shared-prefix", "on"), ("shared-prefix", "off"), ("multi-turn", "on"), ("multi-turn", "off")]
@@ -289,6 +289,6 @@ def test_prefix_cache_bench_serves_both_workloads_with_the_cache_on_and_off(tiny
     assert all(x["throughput_ratio"] > 0 and x["ttft_p50_ratio"] > 0 for x in saved["ratios"])
 
     md = (tmp_path / "prefix_cache.md").read_text()
-    assert "python -m bench.prefix_cache --model-path" in md
+    assert "python -m bench.serving.prefix_cache --model-path" in md
     assert "| shared-prefix | on |" in md and "| multi-turn | off |" in md
     assert "TTFT p50, on / off" in md

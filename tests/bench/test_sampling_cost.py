@@ -1,4 +1,4 @@
-"""bench/sampling_cost.py: a small real run (the default model, one server)
+"""bench/serving/sampling_cost.py: a small real run (the default model, one server)
 gives one row per batch size with the three cases measured side by side, and
 every json_schema answer checked."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from bench import sampling_cost
+from bench.serving import sampling_cost
 
 
 def test_a_small_run_measures_every_case_and_checks_the_json(tmp_path):

@@ -1,4 +1,4 @@
-"""bench/step_bench.py: the floor's arithmetic, the JSON merge, and one small
+"""bench/micro/step_bench.py: the floor's arithmetic, the JSON merge, and one small
 real run of the forward and transformers paths on the default model."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from bench import step_bench
+from bench.micro import step_bench
 from model_proc.model import ModelConfig
 
 CFG = ModelConfig(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,

@@ -1,10 +1,10 @@
-"""bench/step_bench.py --tp-size: server rows of another tp size are cases of their own."""
+"""bench/micro/step_bench.py --tp-size: server rows of another tp size are cases of their own."""
 
 from __future__ import annotations
 
 import json
 
-from bench import step_bench
+from bench.micro import step_bench
 from tests.bench.test_step_bench import CFG
 
 

@@ -9,10 +9,11 @@ import os
 
 import pytest
 
-from bench import batching_study as study
-from bench import study_plots, study_report
-from bench.bench_serving import load_client_tokenizer
-from bench.timeline_plot import build_rows, load_events, span
+from bench.serving import batching_study as study
+from bench.plots import study_plots
+from bench.lib import study_report
+from bench.serving.bench_serving import load_client_tokenizer
+from bench.plots.timeline_plot import build_rows, load_events, span
 from tests.scheduler.test_scheduler import Harness
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None

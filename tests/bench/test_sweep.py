@@ -1,4 +1,4 @@
-"""bench/sweep.py: throughput against --max-running-requests, against a real
+"""bench/serving/sweep.py: throughput against --max-running-requests, against a real
 server on a tiny random model, and its report on made-up points."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import argparse
 import importlib.util
 import json
 
-from bench import sweep
-from bench.datasets import DatasetRow
+from bench.serving import sweep
+from bench.lib.datasets import DatasetRow
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
@@ -40,7 +40,7 @@ def test_sweep_writes_one_row_per_value_with_the_retractions_of_each(tiny_served
     assert four["retractions"] > 0
 
     md = (tmp_path / "sweep.md").read_text()
-    assert "python -m bench.sweep --model-path" in md and "| 4 |" in md
+    assert "python -m bench.serving.sweep --model-path" in md and "| 4 |" in md
     assert "about 1 whole request at once" in md
     if HAVE_MPL:
         assert "![throughput against --max-running-requests](sweep.png)" in md

@@ -1,4 +1,4 @@
-"""bench/timeline_plot.py: request rows from a recorded timeline, and the PNG."""
+"""bench/plots/timeline_plot.py: request rows from a recorded timeline, and the PNG."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from bench.timeline_plot import build_rows, plot_timeline
+from bench.plots.timeline_plot import build_rows, plot_timeline
 from tests.scheduler.test_scheduler import Harness
 
 

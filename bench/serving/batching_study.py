@@ -1,4 +1,7 @@
-"""The batching study: one machine, one run, the same request traces served by
+"""What each way of batching makes of the same traces: serial, static, dynamic and continuous
+batching in our server beside Hugging Face's, on one machine in one run.
+
+The batching study: one machine, one run, the same request traces served by
 
   serial      our server, --max-running-requests 1 (no batching at all)
   static      our server, --batching static  (padded batches of B, nobody joins or leaves)
@@ -10,8 +13,8 @@
 and then measures the utilisation of full padded batches of other sizes
 (--static-sweep) to set against the chapter's 1/H_B.
 
-    python -m bench.batching_study                 # defaults: about 7 minutes on 2 quiet cores
-    python -m bench.batching_study --batch-size 16 --chapter-scale 0.25 --exp-num-prompts 64
+    python -m bench.serving.batching_study                 # defaults: about 7 minutes on 2 quiet cores
+    python -m bench.serving.batching_study --batch-size 16 --chapter-scale 0.25 --exp-num-prompts 64
 
 Traces (greedy decoding, EOS ignored, so every mode computes the same tokens):
   chapter      the chapter's 8-request batch (outputs sum 1968, max 1024) times
@@ -33,6 +36,9 @@ and, for each of our server's modes on the chapter trace, its scheduler
 timeline as read from GET /timeline before the server stopped
 (timeline_<mode>.json, and timeline_<mode>.png on one time axis for all modes).
 With --append-results the markdown also goes to bench/RESULTS.md (appended).
+
+Output: bench/results/batching_study.json, batching_study.md, batching_study_runs.jsonl,
+timeline_<mode>.json/.png and the PNG plots; --append-results: bench/RESULTS.md (appended)
 """
 
 from __future__ import annotations
@@ -49,18 +55,18 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from bench.backends import RequestConfig
-from bench.bench_serving import load_client_tokenizer, run_benchmark
-from bench.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
-from bench.datasets import chapter_lens, poisson_arrivals, rows_from_lengths, sample_rows
-from bench.server_launcher import LaunchedServer
-from bench.study_modes import (MODES, OUR_MODES, TIMELINE_TRACE, NotRun, Trace, hf_serve_missing, run_mode,
+from bench.lib.backends import RequestConfig
+from bench.serving.bench_serving import load_client_tokenizer, run_benchmark
+from bench.lib.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
+from bench.lib.datasets import chapter_lens, poisson_arrivals, rows_from_lengths, sample_rows
+from bench.lib.server_launcher import LaunchedServer
+from bench.lib.study_modes import (MODES, OUR_MODES, TIMELINE_TRACE, NotRun, Trace, hf_serve_missing, run_mode,
                                with_utilisation)
-from bench.study_plots import draw_all, have_matplotlib, save_timelines
-from bench.study_report import add_ratios, machine_line, report, table_row, write_report
+from bench.plots.study_plots import draw_all, have_matplotlib, save_timelines
+from bench.lib.study_report import add_ratios, machine_line, report, table_row, write_report
 
 TRACES = ("chapter", "exponential")
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
 RESULTS_MD = os.path.join(BENCH_DIR, "RESULTS.md")
 
 

@@ -1,9 +1,11 @@
 """The Triton kernels on a real GPU: correctness against the torch references
 in float16/bfloat16/float32, timings, and the default model's greedy output
-with both backends. Needs CUDA; not part of the test suite (the tests run the
-same kernels in Triton's CPU interpreter, which cannot do bfloat16).
+with both backends. Needs CUDA. tests/gpu/test_gpu_check.py runs it with
+--quick as part of the test suite and is skipped where there is no CUDA device
+(the other tests run the same kernels in Triton's CPU interpreter, which
+cannot do bfloat16). Formerly bench/gpu_check.py.
 
-    python -m bench.gpu_check [--quick] [--no-model]
+    python -m tests.gpu.gpu_check [--quick] [--no-model]
 
 Exits non-zero if any check fails. Budget: about two minutes on one GPU.
 """

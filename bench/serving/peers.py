@@ -1,13 +1,13 @@
 """This server against its peers on one trace, side by side, with the trace's floors.
 
-    python -m bench.peers                                  # this server alone
-    python -m bench.peers --peer vllm-cpu=http://127.0.0.1:8000 \\
+    python -m bench.serving.peers                                  # this server alone
+    python -m bench.serving.peers --peer vllm-cpu=http://127.0.0.1:8000 \\
         --peer-note vllm-cpu="vllm-cpu 0.x in its own venv, tcmalloc + Intel OpenMP preloaded" \\
         --peer llama.cpp-bf16=http://127.0.0.1:8080 --append-results
 
 The trace is SGLang's bench_serving shape (issue 16): `random-ids` prompts of
 128 +- 64 tokens (range ratio 0.5), 128 +- 64 output tokens, EOS ignored,
-OpenAI completions, streamed, through our client (bench/bench_serving.py,
+OpenAI completions, streamed, through our client (bench/serving/bench_serving.py,
 SGLang's flags), at each `--concurrency` (default 32, then 1; 1 concurrent
 sends `--num-prompts-single` prompts). Every server gets the same prompts
 (one seed), tokenized with the default model's tokenizer.
@@ -28,6 +28,8 @@ Next to each row, the trace's floors on this machine, measured on the spot:
 
 Writes --out-dir/peers.json ({command, machine, floors, rows}) and peers.md;
 --append-results also appends the markdown to bench/RESULTS.md.
+
+Output: bench/results/peers.json, peers.md; --append-results: bench/RESULTS.md (appended)
 """
 
 from __future__ import annotations
@@ -43,14 +45,14 @@ from typing import Any
 
 import torch
 
-from bench import bench_serving
-from bench.machine_rates import matmul_rate, read_bandwidth
-from bench.server_launcher import LaunchedServer
+from bench.serving import bench_serving
+from bench.lib.machine_rates import matmul_rate, read_bandwidth
+from bench.lib.server_launcher import LaunchedServer
 from common.server_args import ServerArgs, default_model_path
 from model_proc.model import ModelConfig
 from model_proc.weights import resolve_model_path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
 RESULTS_MD = os.path.join(HERE, "RESULTS.md")
 OURS = "batchserve"
 
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                f"{load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end")
     floors = {"matmul_gflops": rate / 1e9, "bandwidth_gbs": bandwidth / 1e9,
               "weight_mb": weight_bytes(cfg, 2) / 1e6}
-    command = " ".join(["python -m bench.peers", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python -m bench.serving.peers", *(sys.argv[1:] if argv is None else argv)])
     text = markdown(command, machine, floors, rows, notes, args.input_len, args.output_len)
     print(text)
     os.makedirs(args.out_dir, exist_ok=True)

@@ -1,6 +1,6 @@
 """The model's matmuls alone, per kernel: what `Linear` runs on this CPU.
 
-    python -m bench.linear_bench [--dtype bfloat16] [--rows 1 8 32 64 256 1024]
+    python -m bench.micro.linear_bench [--dtype bfloat16] [--rows 1 8 32 64 256 1024]
                                  [--kernels native onednn torch] [--native-pages huge 4k]
                                  [--native-amx on off] [--no-write]
 
@@ -20,6 +20,8 @@ brgemm taking the calls of 17-64 rows its own AMX loop takes in the model
 each kernel's timed steps is reported, with the weights' read rate and, next
 to it, the read bandwidth measured on the spot. The table is printed and
 appended, with the command and date, to bench/RESULTS.md.
+
+Output: bench/RESULTS.md (appended); --no-write: stdout only
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.machine_rates import read_bandwidth
+from bench.lib.machine_rates import read_bandwidth
 from model_proc import layers
 from model_proc.layers import Linear, MatmulKernel, native_layers_op, onednn_supports
 
-RESULTS = os.path.join(os.path.dirname(__file__), "RESULTS.md")
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "RESULTS.md")
 
 HIDDEN, INTER, Q, KV, LAYERS, VOCAB = 576, 1536, 576, 192, 30, 49152  # SmolLM2-135M
 
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     load0 = os.getloadavg()[0]
     bandwidth = read_bandwidth()
     medians = run(dtype, args.rows, kernels, args.steps)
-    command = "python -m bench.linear_bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.micro.linear_bench " + " ".join(argv if argv is not None else sys.argv[1:])
     text = report(command.strip(), dtype, args.rows, kernels, medians, bandwidth, (load0, os.getloadavg()[0]))
     print("\n" + text)
     if not args.no_write:

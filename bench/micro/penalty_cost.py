@@ -1,10 +1,10 @@
 """What penalties cost per decode step, and that a batch without them pays nothing.
 
-    python -m bench.penalty_cost [--batches 1 16 64] [--context 256] [--steps 10]
+    python -m bench.micro.penalty_cost [--batches 1 16 64] [--context 256] [--steps 10]
                                  [--rounds 3] [--dtype bfloat16] [--model-path PATH]
 
 `ModelRunner.forward` of one decode step of B rows at `context` tokens (KV
-already in the pool, as in bench/step_bench.py), greedy, in three cases:
+already in the pool, as in bench/micro/step_bench.py), greedy, in three cases:
 `none` (no row uses penalties: the batch carries no penalty fields), `one`
 (row 0 uses every penalty: frequency, presence, repetition, a logit_bias and
 min_new_tokens) and `all` (every row does). The penalized rows' state is built
@@ -13,6 +13,8 @@ history). The cases take turns, `--rounds` times, so a change in the
 machine's load hits all alike; each figure is the minimum (`--stat median`:
 the median) over every timed step. The `penalties ms` column is the penalty work alone (apply + update on
 the step's logits), timed the same way. Prints the table only.
+
+Output: stdout only
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 
 import torch
 
-from bench.step_bench import decode_batch, fill_pool
+from bench.micro.step_bench import decode_batch, fill_pool
 from common.messages import ForwardBatch, PenaltyInit
 from common.server_args import ServerArgs, default_model_path
 from model_proc.runner import ModelRunner

@@ -20,9 +20,9 @@ from typing import Any, Sequence
 
 import torch
 
-from bench.datasets import DatasetRow
-from bench.metrics import RequestResult, summarize
-from bench.utilisation import batch_utilisation
+from bench.lib.datasets import DatasetRow
+from bench.lib.metrics import RequestResult, summarize
+from bench.lib.utilisation import batch_utilisation
 
 
 class StepClock:

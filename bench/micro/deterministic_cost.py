@@ -1,16 +1,18 @@
 """What `--deterministic` (model_proc/batch_invariant.py) costs per step.
 
-    python -m bench.deterministic_cost [--batches 1 16 64] [--context 256] [--steps 5]
+    python -m bench.micro.deterministic_cost [--batches 1 16 64] [--context 256] [--steps 5]
                                        [--rounds 2] [--prefill 256] [--dtype float32]
 
 Decode: `ModelRunner.forward` of one step of B rows, each at `context` tokens
 whose KV is already in the pool (random values on scattered slots, as in
-bench/step_bench.py; no prefill is run), greedy. Prefill: one prompt of
+bench/micro/step_bench.py; no prefill is run), greedy. Prefill: one prompt of
 `--prefill` tokens into an empty row (0: skipped). The default model, the
 torch attention backend, both runners built in this process; the two modes
 take turns, `--rounds` times per case, so that a change in the machine's
 load hits both alike. Each figure is the median over every timed step
 (`--steps` per round, after 2 warm-ups). Prints the table only.
+
+Output: stdout only
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 
 import torch
 
-from bench.step_bench import decode_batch, fill_pool
+from bench.micro.step_bench import decode_batch, fill_pool
 from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
 from model_proc.runner import ModelRunner

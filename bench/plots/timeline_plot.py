@@ -1,11 +1,13 @@
 """Draw a recorded scheduler timeline as a PNG Gantt chart (matplotlib).
 
-    python -m bench.timeline_plot --url http://127.0.0.1:30000 -o timeline.png
-    python -m bench.timeline_plot --input timeline.json -o timeline.png
+    python -m bench.plots.timeline_plot --url http://127.0.0.1:30000 -o timeline.png
+    python -m bench.plots.timeline_plot --input timeline.json -o timeline.png
 
 The input is what GET /timeline returns ({"events": [...]}) or just the event
 list. One row per request (queued, prefilling, decoding, retracted), and the
 batch size below, as the live /dashboard draws them.
+
+Output: the PNG named by -o
 """
 
 from __future__ import annotations

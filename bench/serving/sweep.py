@@ -1,8 +1,8 @@
 """The chapter's "what to watch" sweep: output throughput against
 --max-running-requests on one trace, with the retraction count of every point.
 
-    python -m bench.sweep                # N = 1 4 16 64 256: about 7 minutes on 2 quiet cores (estimated)
-    python -m bench.sweep --max-running-requests 1 8 64 --num-prompts 64 --random-output-len 16
+    python -m bench.serving.sweep                # N = 1 4 16 64 256: about 7 minutes on 2 quiet cores (estimated)
+    python -m bench.serving.sweep --max-running-requests 1 8 64 --num-prompts 64 --random-output-len 16
 
 The chapter: the curve should climb steeply, then flatten; if it falls at the
 top, look for retractions: more rows were admitted than the KV pool can carry,
@@ -33,6 +33,8 @@ tokens of each point are reported.
 Writes under --out-dir: sweep.json (one object per N), sweep.md and, with
 matplotlib, sweep.png; with --append-results the markdown also goes to
 bench/RESULTS.md (appended).
+
+Output: bench/results/sweep.json, sweep.md, sweep.png; --append-results: bench/RESULTS.md (appended)
 """
 
 from __future__ import annotations
@@ -52,16 +54,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from bench.backends import RequestConfig
-from bench.bench_serving import load_client_tokenizer, run_benchmark, scheduler_counters, utilisation_between, warm_up
-from bench.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
-from bench.datasets import DatasetRow, poisson_arrivals, sample_rows
-from bench.server_launcher import LaunchedServer
-from bench.study_plots import have_matplotlib, pyplot
-from bench.study_report import fmt, link, machine_line, write_report
-from bench.timeline_plot import fetch_timeline
+from bench.lib.backends import RequestConfig
+from bench.serving.bench_serving import load_client_tokenizer, run_benchmark, scheduler_counters, utilisation_between, warm_up
+from bench.lib.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
+from bench.lib.datasets import DatasetRow, poisson_arrivals, sample_rows
+from bench.lib.server_launcher import LaunchedServer
+from bench.plots.study_plots import have_matplotlib, pyplot
+from bench.lib.study_report import fmt, link, machine_line, write_report
+from bench.plots.timeline_plot import fetch_timeline
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
 RESULTS_MD = os.path.join(BENCH_DIR, "RESULTS.md")
 DEFAULT_VALUES = (1, 4, 16, 64, 256)
 RETRACT_LINE = re.compile(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)")
@@ -224,7 +226,7 @@ def report(args: argparse.Namespace, argv: Sequence[str], points: list[dict[str,
            machine_start: str, machine_end: str, elapsed: float, cpu_wait: float | None, plot: str | None,
            link_dir: str) -> str:
     """The sweep's markdown; the plot's link is relative to link_dir."""
-    cmd = "python -m bench.sweep" + ("" if not argv else " " + " ".join(argv))
+    cmd = "python -m bench.serving.sweep" + ("" if not argv else " " + " ".join(argv))
     parts = [f"## Throughput against --max-running-requests, {datetime.date.today().isoformat()}", "",
              f"`{cmd}`", "",
              f"Machine at the start: {machine_start}. At the end: {machine_end}. Whole sweep: "
@@ -332,7 +334,7 @@ def build_trace(args: argparse.Namespace, tokenizer: Any) -> tuple[list[DatasetR
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    from bench.batching_study import resolve_model_dir
+    from bench.serving.batching_study import resolve_model_dir
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)

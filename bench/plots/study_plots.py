@@ -15,8 +15,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from bench.timeline_plot import compact, plot_timeline, span, summary
-from bench.utilisation import expected_utilisation, harmonic
+from bench.plots.timeline_plot import compact, plot_timeline, span, summary
+from bench.lib.utilisation import expected_utilisation, harmonic
 
 
 def have_matplotlib() -> bool:

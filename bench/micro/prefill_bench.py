@@ -1,6 +1,6 @@
 """Prefill over a cached prefix: chunked against whole, and an extend against its floor.
 
-    python -m bench.prefill_bench [--dtype bfloat16] [--prompt 8192] [--chunk 256]
+    python -m bench.micro.prefill_bench [--dtype bfloat16] [--prompt 8192] [--chunk 256]
                                   [--prefixes 1024 4096 7936] [--before]
 
 The default model, the server's default attention backend (or
@@ -24,6 +24,8 @@ cases, side by side. Prints the tables and appends them to bench/RESULTS.md,
 unless some task waited for a CPU during more than a tenth of the run (Linux
 PSI): on a shared 2-core machine other load slows the many small ops of a
 chunked prefill far more than one whole prefill, and such a run says little.
+
+Output: bench/RESULTS.md (appended unless the machine was busy); --no-write: stdout only
 """
 
 from __future__ import annotations
@@ -40,14 +42,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bench.machine_rates import matmul_rate
+from bench.lib.machine_rates import matmul_rate
 from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
 from model_proc.attention import TorchAttnBackend, TorchAttnMetadata
 from model_proc.model import LlamaForCausalLM
 from model_proc.runner import ModelRunner
 
-RESULTS = os.path.join(os.path.dirname(__file__), "RESULTS.md")
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "RESULTS.md")
 TARGET_CHUNKED, TARGET_FLOOR = 1.25, 2.0
 MAX_STALLED = 0.1  # a run that waited for a CPU longer than this share is not recorded
 
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     stalled = (None if stall_start is None or stall_end is None
                else (stall_end - stall_start) / 1e6 / (time.perf_counter() - wall_start))
 
-    command = " ".join(["python -m bench.prefill_bench", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python -m bench.micro.prefill_bench", *(sys.argv[1:] if argv is None else argv)])
     w = list(ways)
     lines = [f"(a) {args.prompt}-token prompt, whole against {args.chunk}-token chunks (target: chunked within "
              f"{TARGET_CHUNKED}x of whole)", "",

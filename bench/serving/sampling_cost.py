@@ -1,10 +1,10 @@
 """What a JSON schema and penalties cost a user in decode throughput, served side by side.
 
-    python -m bench.sampling_cost                    # batch 1 and 16, 3 rounds: ~4 min on 2 quiet cores
-    python -m bench.sampling_cost --batches 1 16 --rounds 3 --append-results
+    python -m bench.serving.sampling_cost                    # batch 1 and 16, 3 rounds: ~4 min on 2 quiet cores
+    python -m bench.serving.sampling_cost --batches 1 16 --rounds 3 --append-results
 
 One server of ours (launch.py, default flags plus --max-running-requests the
-largest batch), one client (bench/bench_serving's, OpenAI /v1/completions,
+largest batch), one client (bench/serving/bench_serving's, OpenAI /v1/completions,
 streamed). For each batch size B, B requests are sent at once in three cases
 that take turns, --rounds times, so a change in the machine's load hits all
 alike:
@@ -24,6 +24,9 @@ also checks what it measured: every json_schema answer parses and has
 Writes --out-dir/sampling_cost.json and .md; with --append-results the markdown
 is also appended to bench/RESULTS.md. Targets (issue 14): json_schema within
 15% of plain, penalties within 5%, at batch 1 and 16.
+
+Output: bench/results/sampling_cost.json, sampling_cost.md; --append-results: bench/RESULTS.md
+(appended)
 """
 
 from __future__ import annotations
@@ -37,14 +40,14 @@ import sys
 import tempfile
 from typing import Any, Sequence
 
-from bench.backends import RequestConfig
-from bench.bench_serving import load_client_tokenizer, run_benchmark
-from bench.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
-from bench.datasets import DatasetRow
-from bench.server_launcher import LaunchedServer
-from bench.study_report import machine_line, write_report
+from bench.lib.backends import RequestConfig
+from bench.serving.bench_serving import load_client_tokenizer, run_benchmark
+from bench.lib.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
+from bench.lib.datasets import DatasetRow
+from bench.lib.server_launcher import LaunchedServer
+from bench.lib.study_report import machine_line, write_report
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
 RESULTS_MD = os.path.join(BENCH_DIR, "RESULTS.md")
 CASES = ("plain", "penalties", "json_schema")
 PROMPT = "Here is a list of three-digit numbers, as JSON:"
@@ -137,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             print(_row_line(row), flush=True)
     finally:
         server.stop()
-    result = {"command": "python -m bench.sampling_cost " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": "python -m bench.serving.sampling_cost " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": datetime.date.today().isoformat(), "machine": machine_line(), "rows": rows}
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "sampling_cost.json"), "w") as f:

@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bench.backends import RequestConfig
-from bench.bench_serving import default_model_name, run_benchmark, warm_up
-from bench.datasets import DatasetRow
-from bench.server_launcher import LaunchedServer, free_port
-from bench.timeline_plot import fetch_timeline
-from bench.utilisation import batch_utilisation, groups_by_first_token
+from bench.lib.backends import RequestConfig
+from bench.serving.bench_serving import default_model_name, run_benchmark, warm_up
+from bench.lib.datasets import DatasetRow
+from bench.lib.server_launcher import LaunchedServer, free_port
+from bench.plots.timeline_plot import fetch_timeline
+from bench.lib.utilisation import batch_utilisation, groups_by_first_token
 
 MODES = ("serial", "static", "dynamic", "continuous", "hf-static", "hf-serve")
 OUR_MODES = ("serial", "static", "dynamic", "continuous")  # our server, which records a /timeline
@@ -131,7 +131,7 @@ def run_mode(mode: str, trace: Trace, args: argparse.Namespace, model_dir: str, 
         return run_hf_serve(trace, args, model_dir, tokenizer, log_dir)
     if mode == "hf-static":
         if "hf" not in batchers:  # loaded once, kept for the next trace
-            from bench.hf_static import HFStaticBatcher
+            from bench.lib.hf_static import HFStaticBatcher
             batchers["hf"] = HFStaticBatcher(model_dir, args.dtype)
         return run_hf_static(trace, args, batchers["hf"])
     return run_ours(mode, trace, args, model_dir, tokenizer, log_dir, timeline)

@@ -19,8 +19,8 @@ from typing import Any, AsyncIterator
 
 import aiohttp
 
-from bench.datasets import DatasetRow
-from bench.metrics import RequestResult
+from bench.lib.datasets import DatasetRow
+from bench.lib.metrics import RequestResult
 
 BACKENDS = ("sglang", "openai", "openai-chat")
 UNKNOWN = -1  # a token count the server did not report

@@ -10,10 +10,10 @@ import os
 import platform
 from typing import Any, Callable, Sequence
 
-from bench.study_modes import Trace
-from bench.utilisation import harmonic
+from bench.lib.study_modes import Trace
+from bench.lib.utilisation import harmonic
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
 
 # What each mode's timeline shows (the figure: one row per request, grey queued,
 # orange prefilling, blue decoding, red retracted; below, the rows computed per step).
@@ -130,7 +130,7 @@ def report(args: argparse.Namespace, argv: Sequence[str] | None, traces: list[Tr
            machine_end: str | None = None) -> str:
     """The study's markdown; image links are relative to link_dir (the folder of
     the file it is written to)."""
-    cmd = "python -m bench.batching_study" + ("" if not argv else " " + " ".join(argv))
+    cmd = "python -m bench.serving.batching_study" + ("" if not argv else " " + " ".join(argv))
     parts = [f"## Batching study, {datetime.date.today().isoformat()}", "", f"`{cmd}`", "",
              f"Machine at the start: {machine_start}. At the end: {machine_end or machine_line()}. "
              f"Whole study: {elapsed / 60:.1f} min"

@@ -1,6 +1,6 @@
 """Attention's share of a decode step, torch and native backends, default model.
 
-    python -m bench.attention_bench [--dtype float32|bfloat16] [--batches 1 16 64] [--contexts 512 2048]
+    python -m bench.micro.attention_bench [--dtype float32|bfloat16] [--batches 1 16 64] [--contexts 512 2048]
                                     [--backends torch native] [--page-sizes 1 16 64]
 
 Every row sits at `context` tokens whose KV is already in the pool (random
@@ -32,6 +32,8 @@ its own, as the server's pool was before pages.
 into a reused buffer (no row chunks), and one batch-wide gather into a fresh
 buffer per layer (the backend before this bench). The table is printed and
 appended, with the command and date, to bench/RESULTS.md.
+
+Output: bench/RESULTS.md (appended); --no-write: stdout only
 """
 
 from __future__ import annotations
@@ -49,12 +51,12 @@ import torch
 
 from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
-from bench.kv_layout import SERVER_PAGE_SIZE, scattered_pages
-from bench.machine_rates import read_bandwidth
+from bench.lib.kv_layout import SERVER_PAGE_SIZE, scattered_pages
+from bench.lib.machine_rates import read_bandwidth
 from model_proc.attention import AttentionBackend, NativeAttnBackend, create_attention_backend
 from model_proc.runner import ModelRunner
 
-RESULTS = os.path.join(os.path.dirname(__file__), "RESULTS.md")
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "RESULTS.md")
 
 
 class FreshWorkspace:
@@ -193,7 +195,7 @@ def report(runner: ModelRunner, command: str, steps: int, bandwidth: float, head
             f"permutation of its pages, each filled in order, as the server's allocator lays them; the server's "
             f"default --page-size is {SERVER_PAGE_SIZE}). Steps "
             f"run the model's modules layer by layer, where the attention calls can be timed (a server's decode "
-            f"steps take the native decoder, the same ops in one native call: bench/step_bench.py times those).\n\n{table}\n")
+            f"steps take the native decoder, the same ops in one native call: bench/micro/step_bench.py times those).\n\n{table}\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -257,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
             for row, cells in zip(rows, run_cases(runner, cases, args.steps)):
                 row += cells[:2]
 
-    command = " ".join(["python -m bench.attention_bench", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python -m bench.micro.attention_bench", *(sys.argv[1:] if argv is None else argv)])
     text = report(runner, command, args.steps, bandwidth, header, rows, tuple(backends), huge)
     print(text)
     if not args.no_write:

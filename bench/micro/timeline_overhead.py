@@ -1,14 +1,17 @@
 """What recording the timeline costs the scheduler at batch 64.
 
-    python -m bench.timeline_overhead
+    python -m bench.micro.timeline_overhead
 
 Runs the real scheduler against a fake model (no forward time) at a steady
 batch of 64 rows, once recording and once with recording switched off, and
 reports the difference per step next to a real batch-64 decode step.
+
+Output: stdout only
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -40,7 +43,8 @@ def time_steps(record: bool) -> float:
     return (time.perf_counter() - start) / STEPS
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)  # no flags: --help only
     on, off = [], []
     for _ in range(5):
         on.append(time_steps(True))

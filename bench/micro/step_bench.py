@@ -1,6 +1,6 @@
 """One decode step of the default model, three ways, against its hardware floor.
 
-    python -m bench.step_bench [--dtypes float32 bfloat16] [--batches 1 4 16 64 128]
+    python -m bench.micro.step_bench [--dtypes float32 bfloat16] [--batches 1 4 16 64 128]
                                [--contexts 256 2048] [--what forward server transformers]
                                [--tp-size N]
 
@@ -16,7 +16,7 @@ one more):
   2048 forward rows measured alike with and without it, 2026-12-02: within
   the runs' noise, 40-44 and 159-171 ms). No prefill is run: the KV pool is filled with
   random values and each row's table points at C slots on pages of
-  `--page-size` slots drawn at random (bench/kv_layout.py), as the server's
+  `--page-size` slots drawn at random (bench/lib/kv_layout.py), as the server's
   allocator lays a request out. Above `--pool-max-tokens` distinct slots
   (B x C too big for memory), rows share pages: row r's j-th page is
   perm[(r * pages_per_row + j) % pages]. Each layer's pool (P x 1.5 KiB in
@@ -54,6 +54,9 @@ forward_ms and outside_forward_share). A row replaces an earlier one of the
 same case; the others are kept, so a subset can be rerun.
 Timed steps: the median (or with `--stat min`, the best) of `--steps` after 2
 warm-ups; the forward's "of which attention" is the backend's time in extra steps.
+
+Output: bench/RESULTS.md (appended), bench/results/step_bench.json (rows merged); --no-write: stdout
+only
 """
 
 from __future__ import annotations
@@ -76,9 +79,9 @@ from typing import Any
 
 import torch
 
-from bench.attention_bench import Timer
-from bench.kv_layout import SERVER_PAGE_SIZE, scattered_pages
-from bench.machine_rates import matmul_rate, read_bandwidth, timed_calls
+from bench.micro.attention_bench import Timer
+from bench.lib.kv_layout import SERVER_PAGE_SIZE, scattered_pages
+from bench.lib.machine_rates import matmul_rate, read_bandwidth, timed_calls
 from common.cpu_runtime import CpuAllocator, allocator_preload, preloaded_allocator, with_omp_spin, with_preload
 from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
@@ -88,7 +91,7 @@ from model_proc.model import LlamaForCausalLM, ModelConfig
 from model_proc.runner import ModelRunner
 from model_proc.weights import resolve_model_path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
 RESULTS_MD = os.path.join(HERE, "RESULTS.md")
 RESULTS_JSON = os.path.join(HERE, "results", "step_bench.json")
 # server-no-overlap: the same server with --disable-overlap-schedule (the plain loop)
@@ -481,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
                 for (b, c), res in parts[what]().items():
                     results[(dt, what, b, c)] = res
 
-    command = " ".join(["python -m bench.step_bench", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python -m bench.micro.step_bench", *(sys.argv[1:] if argv is None else argv)])
     text = report(command, floor, results, args.dtypes, cases, args.stat, (load_start, os.getloadavg()[0]),
                   time.perf_counter() - began, args.tp_size, args.page_size)
     print(text)
@@ -503,7 +506,7 @@ def under_model_runtime() -> None:
     env = with_omp_spin(with_preload(dict(os.environ), allocator_preload(CpuAllocator.AUTO, "cpu")), "cpu")
     if env != dict(os.environ) and REEXEC_MARK not in os.environ:
         env[REEXEC_MARK] = json.dumps({k: os.environ.get(k) for k in RUNTIME_VARS})
-        os.execve(sys.executable, [sys.executable, "-m", "bench.step_bench", *sys.argv[1:]], env)
+        os.execve(sys.executable, [sys.executable, "-m", "bench.micro.step_bench", *sys.argv[1:]], env)
 
 
 def restore_launch_environment() -> None:

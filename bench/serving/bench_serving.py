@@ -1,17 +1,17 @@
 """A load client in the style of SGLang's bench_serving (same flag names).
 
-    python -m bench.bench_serving --backend sglang --dataset-name random \\
+    python -m bench.serving.bench_serving --backend sglang --dataset-name random \\
         --num-prompts 64 --random-input-len 64 --random-output-len 32 --request-rate 4
 
-Sends a trace (see bench/datasets.py) at Poisson arrivals (--request-rate inf:
+Sends a trace (see bench/lib/datasets.py) at Poisson arrivals (--request-rate inf:
 all at once), at most --max-concurrency in flight, after one warm-up request;
 prints the SGLang-style summary and, with --output-file, appends it as one JSON
 line (summary, settings, and per-request lengths and timings).
 
-    python -m bench.bench_serving --dataset-name generated-shared-prefix \
+    python -m bench.serving.bench_serving --dataset-name generated-shared-prefix \
         --gsp-num-groups 16 --gsp-prompts-per-group 8 --gsp-system-prompt-len 1024 \
         --gsp-question-len 64 --gsp-output-len 64 --flush-cache
-    python -m bench.bench_serving --dataset-name multi-turn --multi-turn-conversations 16 \
+    python -m bench.serving.bench_serving --dataset-name multi-turn --multi-turn-conversations 16 \
         --multi-turn-turns 4 --multi-turn-question-len 64 --multi-turn-output-len 64
 
 `multi-turn` starts conversations at the Poisson arrivals instead of requests;
@@ -26,6 +26,8 @@ routes); the returned text is also encoded again with the client's tokenizer
 and reported next to them, as SGLang does, so a miscount shows. When the server
 exposes scheduler counters in GET /get_server_info, the batch utilisation over
 the run (useful row-steps / computed row-steps) is reported too.
+
+Output: stdout (the SGLang-style summary); with --output-file FILE, one JSON line appended to FILE
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ from typing import Any, Sequence
 import aiohttp
 import numpy as np
 
-from bench.backends import BACKENDS, UNKNOWN, RequestConfig, send_request
-from bench.datasets import (DATASETS, Conversation, DatasetRow, next_history, poisson_arrivals,
+from bench.lib.backends import BACKENDS, UNKNOWN, RequestConfig, send_request
+from bench.lib.datasets import (DATASETS, Conversation, DatasetRow, next_history, poisson_arrivals,
                             sample_conversations, sample_rows, turn_prompt)
-from bench.metrics import RequestResult, format_summary, summarize
+from bench.lib.metrics import RequestResult, format_summary, summarize
 
 WARMUP_MAX_TOKENS = 16
 HTTP_TIMEOUT_S = 6 * 3600  # a slow CPU run must never be cut by the client

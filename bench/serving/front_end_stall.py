@@ -11,7 +11,9 @@ configuration costs when nothing else runs). A configuration is environment
 settings for the server (the launcher keeps a user's GOMP_SPINCOUNT and
 OMP_WAIT_POLICY), side by side in one run.
 
-    python -m bench.front_end_stall --config default --config GOMP_SPINCOUNT=300000
+    python -m bench.serving.front_end_stall --config default --config GOMP_SPINCOUNT=300000
+
+Output: stdout only
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """What the prefix (radix) cache buys: the same workloads served with it on and off.
 
-    python -m bench.prefix_cache    # both workloads, cache on then off: some 8 min on 2 quiet cores (estimated)
-    python -m bench.prefix_cache --workloads shared-prefix --num-groups 4 --append-results
+    python -m bench.serving.prefix_cache    # both workloads, cache on then off: some 8 min on 2 quiet cores (estimated)
+    python -m bench.serving.prefix_cache --workloads shared-prefix --num-groups 4 --append-results
     # issue 13's targets: room for every request of the burst, cache-aware order
-    python -m bench.prefix_cache --server-args='--max-running-requests 128 --schedule-policy lpm' --append-results
+    python -m bench.serving.prefix_cache --server-args='--max-running-requests 128 --schedule-policy lpm' --append-results
 
 Two workloads, each served twice by a fresh server of ours (launch.py): once
 with the default flags (cache on) and once with --off-server-args (default
@@ -18,7 +18,7 @@ with the default flags (cache on) and once with --off-server-args (default
   --turn-output-len tokens; a conversation's next turn goes once its previous
   answer has arrived; the conversations start at once.
 
-Before each run: wait for a quiet CPU (bench/cpu_pressure.py), start the
+Before each run: wait for a quiet CPU (bench/lib/cpu_pressure.py), start the
 server, warm it up with an unrelated prompt, empty its cache (POST
 /flush_cache). Each row: output throughput, TTFT p50/p99, the cache hit rate
 (the server's cached prompt tokens over all its prompt tokens), the prefix
@@ -30,6 +30,9 @@ Writes --out-dir/prefix_cache.json ({command, machine, workloads, rows,
 ratios}) and prefix_cache.md; with --append-results the markdown is also
 appended to bench/RESULTS.md. Flags that take server flags need the `=` form
 when the value starts with a dash: --off-server-args='--schedule-policy fcfs'.
+
+Output: bench/results/prefix_cache.json, prefix_cache.md; --append-results: bench/RESULTS.md
+(appended)
 """
 
 from __future__ import annotations
@@ -49,14 +52,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from bench.backends import RequestConfig
-from bench.bench_serving import flush_cache, load_client_tokenizer, run_benchmark, run_conversations, warm_up
-from bench.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
-from bench.datasets import (Conversation, DatasetRow, poisson_arrivals, sample_conversations, sample_rows)
-from bench.server_launcher import LaunchedServer
-from bench.study_report import fmt, machine_line, write_report
+from bench.lib.backends import RequestConfig
+from bench.serving.bench_serving import flush_cache, load_client_tokenizer, run_benchmark, run_conversations, warm_up
+from bench.lib.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
+from bench.lib.datasets import (Conversation, DatasetRow, poisson_arrivals, sample_conversations, sample_rows)
+from bench.lib.server_launcher import LaunchedServer
+from bench.lib.study_report import fmt, machine_line, write_report
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
 RESULTS_MD = os.path.join(BENCH_DIR, "RESULTS.md")
 WORKLOADS = ("shared-prefix", "multi-turn")
 CACHE_MODES = ("on", "off")
@@ -267,7 +270,7 @@ def notes(rows: Sequence[dict[str, Any]]) -> list[str]:
 def report(args: argparse.Namespace, argv: Sequence[str], workloads: Sequence[Workload],
            rows: Sequence[dict[str, Any]], rs: Sequence[dict[str, Any]], machine_start: str, machine_end: str,
            elapsed: float, cpu_wait: float | None) -> str:
-    cmd = "python -m bench.prefix_cache" + ("" if not argv else " " + " ".join(argv))
+    cmd = "python -m bench.serving.prefix_cache" + ("" if not argv else " " + " ".join(argv))
     parts = [f"## Prefix cache on and off, {datetime.date.today().isoformat()}", "", f"`{cmd}`", "",
              f"Machine at the start: {machine_start}. At the end: {machine_end}. Whole run: {elapsed / 60:.1f} min"
              + ("" if cpu_wait is None else f", CPU wait {cpu_wait:.0%} of it") + ".", ""]
@@ -323,7 +326,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from bench.batching_study import resolve_model_dir
+    from bench.serving.batching_study import resolve_model_dir
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -342,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 for w in workloads for cache in CACHE_MODES]
     rs = ratios(rows)
     elapsed, machine_end = time.perf_counter() - started, machine_line()
-    result = {"command": "python -m bench.prefix_cache " + " ".join(argv), "machine_start": machine_start,
+    result = {"command": "python -m bench.serving.prefix_cache " + " ".join(argv), "machine_start": machine_start,
               "machine_end": machine_end, "elapsed_s": elapsed, "cpu_wait": wait.share,
               "workloads": {w.name: w.description for w in workloads}, "rows": rows, "ratios": rs}
     with open(os.path.join(args.out_dir, "prefix_cache.json"), "w") as f:
