@@ -47,7 +47,7 @@ class ServerArgs:
     # built, and torch with --deterministic, whose batch-invariant kernels are torch's)
     attention_backend: str = ""
     random_seed: int = 0
-    deterministic: bool = False  # batch-invariant forward (model_proc/batch_invariant.py)
+    deterministic: bool = False  # batch-invariant forward (model_proc/row_blocks.py)
     cpu_allocator: str = "auto"  # the model process's malloc on a CPU (common/cpu_runtime.py)
     cpu_threads: int | None = None  # the model process's OpenMP threads on a CPU (common/cpu_runtime.py)
     # tensor parallelism (SGLang's meaning): tp_size model ranks in one torch.distributed group,

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_proc import native
-from model_proc.batch_invariant import in_row_blocks
 from model_proc.parallel import SINGLE, TensorParallel, vocab_range
+from model_proc.row_blocks import in_row_blocks
 
 # Batch-size hint oneDNN packs for. The packed layout serves any number of
 # rows; 16 was as fast as any other hint at 1..128 rows in float32 and
@@ -114,7 +114,7 @@ class Linear(HooklessModule):
     # native one: the module's `use_native`)
     use_onednn = True
     # set by the model under --deterministic: calls of a fixed number of rows
-    # (batch_invariant.py), so that a row's bits do not depend on the batch
+    # (row_blocks.py), so that a row's bits do not depend on the batch
     batch_invariant = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, gated: bool = False) -> None:

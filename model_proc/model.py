@@ -12,7 +12,8 @@ kernel can; rotary is applied in place to q and k together; the residual
 adds and SiLU(gate) * up are fused into the matmuls where the kernel can
 (layers.py). A step whose every piece is native (bfloat16 on a CPU with the
 native attention backend, one rank) runs its decoder layers as one native
-call (`NativeDecoder`): the same ops, without Python between them.
+call (model_proc/native_decoder.py): the same ops, without Python between
+them; this module knows no particular attention backend.
 
 Tensor parallelism (`--tp-size`, model_proc/parallel.py): each rank builds
 this model with its own share: its query and KV heads (the KV pool holds only
@@ -26,18 +27,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from model_proc.attention import (AttentionBackend, AttentionMetadata, MixedAttnMetadata, NativeAttnBackend,
-                                  TorchAttnMetadata)
-from model_proc.batch_invariant import pad_rows, padded_rows
-from model_proc.layers import (HooklessModule, Linear, MatmulKernel, ParallelLMHead, RowParallelLinear,
-                               VocabParallelEmbedding, apply_rope_, fold_norm_weight, move_packed_onto_huge_pages,
-                               native_layers_op)
+from model_proc.attention.base import AttentionBackend, AttentionMetadata
+from model_proc.layers import (HooklessModule, Linear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
+                               apply_rope_, fold_norm_weight, move_packed_onto_huge_pages)
 from model_proc.parallel import SINGLE, TensorParallel, shard_heads, shard_range
+from model_proc.row_blocks import pad_rows, padded_rows
 from model_proc.weights import CheckpointReader
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -212,40 +211,17 @@ class DecoderLayer(HooklessModule):
         return self.mlp(self.self_attn(x, cos, sin, meta))
 
 
-@dataclass
-class NativeDecoder:
-    """A step's decoder layers as one native call (layers.cpp `DecoderStack`):
-    the same ops as the modules' forward, in the same order and on the same
-    tensors, so the same bits, without Python between them. Built for one
-    native attention backend's KV pool: the model takes it only while its
-    layers still use that backend, and for steps whose attention is all the
-    op's (decode rows always; extend rows where the backend's
-    `native_extend` is on)."""
-    op: Any  # the layers module, for its AttnPart
-    stack: Any  # layers.cpp DecoderStack
-    backend: NativeAttnBackend
+class FusedDecoder(Protocol):
+    """A step's decoder layers in one call, the same ops as the modules'
+    forward (model_proc/native_decoder.py has the one there is; the runner
+    sets it). Built for one backend: the model uses it only while its layers
+    still use that backend."""
+    backend: AttentionBackend
 
-    def parts(self, meta: AttentionMetadata, tokens: int) -> list[Any] | None:
-        """The step's attention parts for the stack, or None where the
-        modules must run it (an extend on the torch path)."""
-        if type(meta) is TorchAttnMetadata:
-            if meta.is_decode:
-                return [self._part(meta, 0, tokens)]
-            return [self._part(meta, 0, tokens)] if self.backend.native_extend else None
-        if type(meta) is MixedAttnMetadata:
-            # a mixed step: its extend rows' tokens first, then its decoding rows'
-            t = meta.decode_token
-            if meta.extend is None:
-                return [self._part(meta.decode, 0, tokens)]
-            if not self.backend.native_extend:
-                return None
-            return [self._part(meta.extend, 0, t), self._part(meta.decode, t, tokens - t)]
-        return None
-
-    def _part(self, meta: TorchAttnMetadata, start: int, count: int) -> Any:
-        decode = meta.is_decode
-        return self.op.AttnPart(decode, start, count, meta.max_len, None if decode else meta.qo_indptr,
-                                meta.kv_indptr, meta.kv_indices, meta.out_cache_loc)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                tokens: int) -> torch.Tensor | None:
+        """The layers' output, or None where the modules must run this step."""
+        ...
 
 
 class LlamaForCausalLM(nn.Module):
@@ -258,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
-        # batch-invariant forward (batch_invariant.py); the backend must be one too
+        # batch-invariant forward (row_blocks.py); the backend must be one too
         self.deterministic = deterministic
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg, max_positions)
@@ -269,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.batch_invariant = deterministic
-        self.native_decoder: NativeDecoder | None = None  # set by load_weights where it can run
+        self.native_decoder: FusedDecoder | None = None  # set by the runner where one can run
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, extra_index: torch.Tensor | None = None) -> torch.Tensor:
@@ -279,16 +255,16 @@ class LlamaForCausalLM(nn.Module):
         num_tokens = input_ids.shape[0]
         if self.deterministic:
             # whole row blocks: torch's thread split of a per-token op then
-            # falls between tokens, never inside one (batch_invariant.py)
+            # falls between tokens, never inside one (row_blocks.py)
             rows = padded_rows(num_tokens)
             input_ids, positions = pad_rows(input_ids, rows), pad_rows(positions, rows)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        native = self.native_decoder
-        parts = native.parts(meta, num_tokens) if native is not None and self.use_native_decoder \
-            and self.layers[0].self_attn.backend is native.backend else None
-        if parts is not None:
-            x = native.stack.forward(x, cos, sin, parts)
+        fused = self.native_decoder
+        out = fused.forward(x, cos, sin, meta, num_tokens) if fused is not None and self.use_native_decoder \
+            and self.layers[0].self_attn.backend is fused.backend else None
+        if out is not None:
+            x = out
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, meta)
@@ -361,27 +337,3 @@ class LlamaForCausalLM(nn.Module):
         for lin in linears:
             lin.prepare()
         move_packed_onto_huge_pages(linears)
-        self.native_decoder = self._make_native_decoder()
-
-    def _make_native_decoder(self) -> NativeDecoder | None:
-        """The native decoder where every piece of a step is native here
-        (bfloat16 matmuls and rotary, the native attention op), on one rank and
-        without --deterministic (its fixed-size row blocks are Python's)."""
-        backend = self.layers[0].self_attn.backend
-        layer_linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
-        if self.tp.size > 1 or self.deterministic or not isinstance(backend, NativeAttnBackend) \
-                or backend.op is None or any(lin.kernel is not MatmulKernel.NATIVE for lin in layer_linears):
-            return None
-        op = native_layers_op(self.embed_tokens.weight.device)
-        attn0 = self.layers[0].self_attn
-        cfg = self.cfg
-        stack = op.DecoderStack(backend.op.decode_fn, backend.op.extend_fn, attn0.num_heads, attn0.num_kv_heads,
-                                cfg.head_dim, cfg.hidden_size, self.layers[0].mlp.inter, cfg.rms_norm_eps,
-                                backend.scale)
-        pool = backend.kv_pool
-        for i, layer in enumerate(self.layers):
-            a, m = layer.self_attn, layer.mlp
-            stack.add_layer(a.qkv_proj.packed, a.qkv_proj.packed_bias, a.o_proj.packed, a.o_proj.packed_bias,
-                            m.gate_up_proj.packed, m.gate_up_proj.packed_bias, m.down_proj.packed,
-                            m.down_proj.packed_bias, pool.k_buffer[i], pool.v_buffer[i])
-        return NativeDecoder(op, stack, backend)

@@ -24,6 +24,7 @@ from model_proc.attention import create_attention_backend
 from model_proc.dtypes import dtype_name, resolve_dtype
 from model_proc.kv_cache import KVPool, ReqToTokenTable, kv_pool_size
 from model_proc.model import LlamaForCausalLM, ModelConfig
+from model_proc.native_decoder import build_native_decoder
 from model_proc.parallel import SINGLE, TensorParallel, shard_heads
 from model_proc.penalties import PenaltyState
 from model_proc.sampler import Sampler, SamplingBatch, apply_token_bitmask
@@ -74,6 +75,8 @@ class ModelRunner:
         self.model.to(device=self.device, dtype=self.dtype)
         with ckpt:
             self.model.load_weights(ckpt)  # this rank's shards; also packs the matmuls for the device
+        # after the packing: the native decoder holds the packed weights
+        self.model.native_decoder = build_native_decoder(self.model)
         self.sampler = Sampler(sa.random_seed, self.device)
         # per req_to_token row, the token it sampled last: a decode input sent
         # as FUTURE_TOKEN (overlap schedule) is taken from here

@@ -29,6 +29,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from common.messages import Grammar, GrammarKind
+from common.tokenizer_files import find_tokenizer, load_hf_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +78,10 @@ class GrammarBackend:
         if self._compiler is None:
             import xgrammar as xgr
 
-            from tokenizer_proc.tokenizer import load_tokenizer  # the one place tokenizers load
-
-            tokenizer = load_tokenizer(self.tokenizer_path)
-            hf = getattr(tokenizer, "tok", None)
-            if hf is None:
+            kind, folder = find_tokenizer(self.tokenizer_path)
+            if kind != "hf":
                 raise ValueError("structured output needs a Hugging Face tokenizer (tokenizer.json)")
+            hf = load_hf_tokenizer(folder)
             info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids)
             # one compile thread: the model process has the cores

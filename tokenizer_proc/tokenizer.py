@@ -19,6 +19,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
+from common.tokenizer_files import find_tokenizer, load_hf_tokenizer
+
 T = TypeVar("T")
 
 
@@ -59,33 +61,16 @@ class TokenizerPool:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-# any of these makes a folder one that transformers' AutoTokenizer can load
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-
 def load_tokenizer(path: str) -> Tokenizer:
     """A folder with tokenizer.json is a HF fast tokenizer; a folder with only
     tokenizer.model (or a .model file itself) is SentencePiece."""
-    if os.path.isfile(path):
-        if path.endswith(".model"):
-            return SentencePieceTokenizer(path)
-        raise ValueError(f"not a tokenizer file (expected a .model file): {path}")
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"tokenizer path does not exist: {path}")
-    sp_file = os.path.join(path, "tokenizer.model")
-    if not os.path.exists(os.path.join(path, "tokenizer.json")) and os.path.exists(sp_file):
-        return SentencePieceTokenizer(sp_file)
-    if not any(os.path.exists(os.path.join(path, f)) for f in HF_TOKENIZER_FILES):
-        raise FileNotFoundError(f"no tokenizer in {path}: expected tokenizer.json (Hugging Face) or "
-                                "tokenizer.model (SentencePiece)")
-    return HFTokenizer(path)
+    kind, found = find_tokenizer(path)
+    return SentencePieceTokenizer(found) if kind == "sentencepiece" else HFTokenizer(found)
 
 
 class HFTokenizer:
     def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer  # slow import: only when needed
-
-        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.tok = load_hf_tokenizer(path)
         self.vocab_size = len(self.tok)  # includes added (special) tokens
         self.eos_token_ids = _eos_ids(self.tok.eos_token_id, path)
         # byte-level entries have a character per byte, so this bounds the

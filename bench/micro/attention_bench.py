@@ -53,7 +53,8 @@ from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
 from bench.lib.kv_layout import SERVER_PAGE_SIZE, scattered_pages
 from bench.lib.machine_rates import read_bandwidth
-from model_proc.attention import AttentionBackend, NativeAttnBackend, create_attention_backend
+from model_proc.attention import AttentionBackend, create_attention_backend
+from model_proc.attention.native import NativeAttnBackend
 from model_proc.runner import ModelRunner
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "RESULTS.md")

@@ -1,4 +1,4 @@
-"""What `--deterministic` (model_proc/batch_invariant.py) costs per step.
+"""What `--deterministic` (model_proc/row_blocks.py) costs per step.
 
     python -m bench.micro.deterministic_cost [--batches 1 16 64] [--context 256] [--steps 5]
                                        [--rounds 2] [--prefill 256] [--dtype float32]

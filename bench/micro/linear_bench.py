@@ -100,8 +100,9 @@ class Variant:
 
     def select(self) -> None:
         """Switch the native op to this variant's loop (a process-wide setting)."""
-        if self.kernel is MatmulKernel.NATIVE:
-            native_layers_op(torch.device("cpu")).set_amx(self.amx)
+        op = native_layers_op(torch.device("cpu")) if self.kernel is MatmulKernel.NATIVE else None
+        if op is not None:  # None: no native matmul on this processor (nothing to switch)
+            op.set_amx(self.amx)
 
 
 @torch.inference_mode()

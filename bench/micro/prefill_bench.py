@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from bench.lib.machine_rates import matmul_rate
 from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
-from model_proc.attention import TorchAttnBackend, TorchAttnMetadata
+from model_proc.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata
 from model_proc.model import LlamaForCausalLM
 from model_proc.runner import ModelRunner
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from common.messages import ForwardBatch
-from model_proc.attention import (TorchAttnBackend, attention_with_lse, attention_with_lse_matmul,
-                                  merge_attention)
+from model_proc.attention.torch_backend import (TorchAttnBackend, attention_with_lse, attention_with_lse_matmul,
+                                                merge_attention)
 from model_proc.kv_cache import KVPool, ReqToTokenTable
 
 Q_HEADS, KV_HEADS, HEAD_DIM, POOL = 6, 2, 16, 400

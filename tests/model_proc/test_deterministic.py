@@ -10,9 +10,10 @@ import torch
 
 from common.server_args import ServerArgs
 from model_proc.attention import create_attention_backend
-from model_proc.batch_invariant import QUERY_CHUNK, ROW_BLOCK, BatchInvariantAttnBackend
+from model_proc.attention.batch_invariant import QUERY_CHUNK, BatchInvariantAttnBackend
 from model_proc.kv_cache import KVPool, ReqToTokenTable
 from model_proc.layers import Linear, onednn_supports
+from model_proc.row_blocks import ROW_BLOCK
 from tests.helpers import RunnerDriver, greedy_parting, hf_greedy_with_top, load_hf, make_tiny_llama
 from tests.model_proc.test_model_matches_transformers import PROMPTS, run_extend_then_decode
 

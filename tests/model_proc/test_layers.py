@@ -143,7 +143,7 @@ def test_native_amx_loop_equals_brgemm_bit_for_bit(gated, monkeypatch):
 
 def test_native_linear_rows_do_not_depend_on_their_mates(monkeypatch):
     """A row's bits at a fixed number of rows do not depend on the other rows
-    (what --deterministic's fixed-size calls rely on, batch_invariant.py)."""
+    (what --deterministic's fixed-size calls rely on, model_proc/row_blocks.py)."""
     gen = torch.Generator().manual_seed(5)
     lin, _w, _b = make_linear(torch.bfloat16, gen, True, MatmulKernel.NATIVE, True, monkeypatch, shape=(3072, 576))
     x = torch.randn(16, 576, generator=gen).to(torch.bfloat16)

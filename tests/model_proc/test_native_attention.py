@@ -11,7 +11,9 @@ import torch
 
 from common.messages import ForwardBatch
 from model_proc import native
-from model_proc.attention import MixedAttnMetadata, NativeAttnBackend, TorchAttnBackend, create_attention_backend
+from model_proc.attention import create_attention_backend
+from model_proc.attention.native import MixedAttnMetadata, NativeAttnBackend
+from model_proc.attention.torch_backend import TorchAttnBackend
 from model_proc.kv_cache import KVPool, ReqToTokenTable
 from tests.helpers import RunnerDriver
 

@@ -1,4 +1,4 @@
-"""The native decoder (model.py NativeDecoder, layers.cpp DecoderStack): a
+"""The native decoder (native_decoder.py NativeDecoder, layers.cpp DecoderStack): a
 step's layers in one native call, bit for bit the modules' forward."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 from model_proc import native
 from model_proc.attention import create_attention_backend
 from model_proc.layers import native_layers_op
-from model_proc.model import LlamaForCausalLM, NativeDecoder
+from model_proc.model import LlamaForCausalLM
+from model_proc.native_decoder import NativeDecoder
 from tests.helpers import RunnerDriver
 
 needs_ops = pytest.mark.skipif(

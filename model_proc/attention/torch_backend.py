@@ -1,0 +1,229 @@
+"""The torch backend: attention with torch ops only, on any device (the
+CPU's where the native op is not built)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from common.messages import ForwardBatch
+from model_proc.attention.base import AttentionBackend, AttentionMetadata, gather_kv_indices, indptr
+from model_proc.kv_cache import KVPool, ReqToTokenTable
+
+
+@dataclass
+class TorchAttnMetadata(AttentionMetadata):
+    # extend: host copies for the per-row loop: each row's new tokens in q, and
+    # the part of kv_indices holding its prefix's slots (empty: no prefix)
+    qo_bounds: list[tuple[int, int]] | None = None
+    prefix_bounds: list[tuple[int, int]] | None = None
+    # decode: a padded [B, max_len] slot matrix (padding -> dummy slot 0) and
+    # the [B, 1, 1, max_len] mask of real entries, built once, used per layer
+    decode_slots: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    max_len: int = 0
+
+
+class GatherWorkspace:
+    """Reused destination of the page gathers: a decode step's rows, an
+    extend row's prefix.
+
+    A fresh [rows * max_len, kv_heads, D] tensor per layer is a new large
+    allocation each time, and on CPU its first touch page-faults: at batch 64
+    the attention time was about 2.5x that of `index_select(out=)` into
+    memory already mapped (bench/RESULTS.md). So one K and one V buffer live
+    as long as the backend, grown when a step needs more; every layer and
+    every step writes into them. Decode chunking bounds their size (about
+    `decode_chunk_bytes`, or one row if a row is bigger); an extend needs its
+    longest prefix (at most the context length).
+    """
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def get(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # an inference-mode tensor cannot be written outside inference mode
+        stale = self.k is not None and self.k.is_inference() and not torch.is_inference_mode_enabled()
+        if self.k is None or stale or self.k.shape[0] < rows or self.k.dtype != like.dtype:
+            shape = (rows, *like.shape[1:])
+            self.k = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self.v = torch.empty(shape, dtype=like.dtype, device=like.device)
+        assert self.v is not None
+        return self.k[:rows], self.v[:rows]
+
+
+class TorchAttnBackend(AttentionBackend):
+    """CPU (or any device) attention with torch ops only.
+
+    Decode has no per-request loop: the step's padded slot matrix and mask
+    are built once (init_forward_metadata); each layer gathers its pages into
+    the reused workspace and runs one padded, masked SDPA per chunk of rows
+    (the whole batch unless it is big). Gathering every layer's pages once per
+    step instead would move the same bytes (each layer's pages differ) and
+    hold num_layers times the workspace; measured no faster (bench/RESULTS.md).
+    """
+
+    # K + V gathered per SDPA call. A big batch goes in chunks of rows that
+    # stay in the last-level cache from the gather until SDPA reads them:
+    # 20-30% less attention time at batch 64 than one batch-wide gather
+    # (bench/RESULTS.md). A chunk is never less than one row.
+    decode_chunk_bytes = 8 << 20
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float) -> None:
+        super().__init__(kv_pool, req_to_token, scale)
+        self.workspace = GatherWorkspace()
+
+    def init_forward_metadata(self, batch: ForwardBatch, out_cache_loc: torch.Tensor) -> TorchAttnMetadata:
+        device = out_cache_loc.device
+        table = self.req_to_token.table
+        bs = len(batch.seq_lens)
+        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=device)
+        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=device)
+        kv_indptr = indptr(seq_lens)
+        total_kv = sum(batch.seq_lens)
+        if batch.forward_mode == "decode":
+            max_len = max(batch.seq_lens)
+            cols = torch.arange(max_len, device=device)
+            valid = cols[None, :] < seq_lens[:, None]
+            slots = table[rows, :max_len].to(torch.int64).masked_fill_(~valid, 0)
+            return TorchAttnMetadata(
+                forward_mode="decode", batch_size=bs,
+                qo_indptr=torch.arange(bs + 1, dtype=torch.int64, device=device),
+                kv_indptr=kv_indptr, kv_indices=slots[valid], seq_lens=seq_lens,
+                prefix_lens=seq_lens - 1, out_cache_loc=out_cache_loc,
+                decode_slots=slots.flatten(), decode_mask=valid[:, None, None, :], max_len=max_len)
+
+        prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
+        qo_bounds, prefix_bounds = [], []
+        q0 = k0 = 0
+        for s, p in zip(batch.seq_lens, batch.prefix_lens):
+            qo_bounds.append((q0, q0 + s - p))
+            prefix_bounds.append((k0, k0 + p))
+            q0, k0 = q0 + s - p, k0 + s
+        return TorchAttnMetadata(
+            forward_mode="extend", batch_size=bs,
+            qo_indptr=indptr(seq_lens - prefix_lens), kv_indptr=kv_indptr,
+            kv_indices=gather_kv_indices(table, rows, seq_lens, kv_indptr, total_kv),
+            seq_lens=seq_lens, prefix_lens=prefix_lens, out_cache_loc=out_cache_loc,
+            qo_bounds=qo_bounds, prefix_bounds=prefix_bounds)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                meta: TorchAttnMetadata) -> torch.Tensor:
+        self.kv_pool.store(layer_id, meta.out_cache_loc, k, v)
+        if meta.is_decode:
+            return self._decode(q, layer_id, meta)
+        return self._extend(q, k, v, layer_id, meta)
+
+    def _decode(self, q: torch.Tensor, layer_id: int, meta: TorchAttnMetadata) -> torch.Tensor:
+        max_len = meta.max_len
+        k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+        row_bytes = 2 * max_len * k_buf[0].numel() * k_buf.element_size()  # one row's K + V, padded
+        chunk = max(1, min(meta.batch_size, self.decode_chunk_bytes // row_bytes))
+        k_ws, v_ws = self.workspace.get(chunk * max_len, k_buf)
+        if chunk == meta.batch_size:
+            return self._decode_rows(q, k_buf, v_buf, meta.decode_slots, meta.decode_mask, k_ws, v_ws)
+        out = torch.empty_like(q)
+        for r0 in range(0, meta.batch_size, chunk):
+            r1 = min(r0 + chunk, meta.batch_size)
+            out[r0:r1] = self._decode_rows(q[r0:r1], k_buf, v_buf, meta.decode_slots[r0 * max_len:r1 * max_len],
+                                           meta.decode_mask[r0:r1], k_ws, v_ws)
+        return out
+
+    def _decode_rows(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
+                     mask: torch.Tensor, k_ws: torch.Tensor, v_ws: torch.Tensor) -> torch.Tensor:
+        """One padded, masked SDPA over rows whose flattened [rows * max_len]
+        slots are given, gathered into the workspace."""
+        rows, max_len = mask.shape[0], mask.shape[-1]
+        k_ws, v_ws = k_ws[:slots.numel()], v_ws[:slots.numel()]
+        torch.index_select(k_buf, 0, slots, out=k_ws)
+        torch.index_select(v_buf, 0, slots, out=v_ws)
+        # [rows, max_len, kv_heads, D] -> [rows, kv_heads, max_len, D]
+        kv_heads, head_dim = k_buf.shape[1:]
+        k = k_ws.view(rows, max_len, kv_heads, head_dim).transpose(1, 2)
+        v = v_ws.view(rows, max_len, kv_heads, head_dim).transpose(1, 2)
+        # The query heads that share a KV head (GQA) go in as that head's
+        # "query positions": one [group, max_len] score matrix per KV head, K
+        # and V read once, never expanded; no causal mask applies to a decode
+        # token. About 1.3x faster than SDPA's enable_gqa at 64 x 256.
+        group = q.shape[1] // kv_heads
+        out = F.scaled_dot_product_attention(q.view(rows, kv_heads, group, head_dim), k, v,
+                                             attn_mask=mask, scale=self.scale)
+        return out.reshape(rows, kv_heads * group, head_dim)
+
+    def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                meta: TorchAttnMetadata) -> torch.Tensor:
+        """Each row's new tokens attend to its prefix in the pool and,
+        causally, to themselves.
+
+        With a prefix, the causal mask of the new tokens over prefix + new is
+        bottom-right aligned, which SDPA's CPU flash kernel cannot take as
+        `is_causal` (top-left only); as an explicit mask it costs a mask read
+        per score and a bool -> float conversion per layer. So the two parts
+        go separately: the queries over the whole prefix with no mask, and
+        over the new tokens with a plain (square) causal mask; the two partial
+        results are merged by their log-sum-exp (merge_attention). The prefix
+        K/V are gathered into the reused workspace (`index_select(out=)`).
+        Measured (bfloat16, python -m bench.prefill_bench, bench/RESULTS.md):
+        an 8192-token prompt in 256-token chunks 7.5 -> 6.5 s (whole: 5.6 s);
+        one 256-token step after 7936 cached tokens 0.39 -> 0.32 s.
+        """
+        k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+        out = torch.empty_like(q)
+        for (q0, q1), (p0, p1) in zip(meta.qo_bounds, meta.prefix_bounds):
+            # [1, heads, tokens, D]: the CPU flash kernel takes 4-d inputs only
+            # (3-d ones go to the math path: 3x slower, bench/RESULTS.md)
+            rq, rk, rv = (x[None, q0:q1].transpose(1, 2) for x in (q, k, v))
+            if p1 == p0:  # no prefix: the new tokens are the whole row
+                o = F.scaled_dot_product_attention(rq, rk, rv, is_causal=True, scale=self.scale,
+                                                   enable_gqa=True)
+            else:
+                pk, pv = self.workspace.get(p1 - p0, k_buf)
+                torch.index_select(k_buf, 0, meta.kv_indices[p0:p1], out=pk)
+                torch.index_select(v_buf, 0, meta.kv_indices[p0:p1], out=pv)
+                over_prefix = attention_with_lse(rq, pk[None].transpose(1, 2), pv[None].transpose(1, 2),
+                                                 False, self.scale)
+                over_new = attention_with_lse(rq, rk, rv, True, self.scale)
+                o = merge_attention(*over_prefix, *over_new)
+            out[q0:q1] = o[0].transpose(0, 1)
+        return out
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [B, Hq, n, D] over k, v [B, Hkv, L, D] (GQA: Hq a
+    multiple of Hkv), and each query's log-sum-exp of its scaled scores
+    [B, Hq, n] (float32). `causal`: top-left aligned (query i sees keys 0..i).
+
+    On a CPU: the flash kernel SDPA itself dispatches to, which returns the
+    log-sum-exp beside the output (public SDPA does not). Elsewhere (the torch
+    backend on a GPU): attention_with_lse_matmul."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return attention_with_lse_matmul(q, k, v, causal, scale)
+
+
+def attention_with_lse_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_with_lse in plain float32 matmuls (the whole score matrix)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
+    scores = q.float() @ k.transpose(-1, -2) * scale
+    if causal:
+        n, length = scores.shape[-2:]
+        scores.masked_fill_(torch.ones(n, length, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+    lse = scores.logsumexp(-1)
+    return ((scores - lse[..., None]).exp_() @ v).to(q.dtype), lse
+
+
+def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets, from each set's
+    output [B, H, n, D] and log-sum-exp [B, H, n]: the outputs weighted by
+    each set's share of the softmax mass, exp(lse_a) / (exp(lse_a) +
+    exp(lse_b)) = sigmoid(lse_a - lse_b) for set a. In float32; returns o_a's
+    dtype."""
+    share_a = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
+    return torch.lerp(o_b.float(), o_a.float(), share_a).to(o_a.dtype)

@@ -1,0 +1,89 @@
+"""The Triton backend: the kernels/ package on a CUDA device (on a CPU only
+under TRITON_INTERPRET=1, which the tests use). Triton is imported only when
+this backend is built."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from common.messages import ForwardBatch
+from model_proc.attention.base import AttentionBackend, AttentionMetadata
+from model_proc.kv_cache import KVPool, ReqToTokenTable
+
+
+@dataclass
+class TritonAttnMetadata(AttentionMetadata):
+    # extend: the longest row's new tokens (sizes the grid), and each row's
+    # prefix only (the kernel reads the new tokens from k/v, not the pool)
+    max_extend_len: int = 0
+    prefix_indptr: torch.Tensor | None = None
+    prefix_indices: torch.Tensor | None = None
+    # decode: split-KV count and the stage-1 scratch, allocated by the first
+    # layer of the step (the query head count is known only there), then reused
+    num_kv_splits: int = 1
+    decode_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class TritonAttnBackend(AttentionBackend):
+    """The kernels/ Triton kernels: KV store, on-device kv_indices build,
+    split-KV GQA decode and prefix-aware extend attention."""
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float) -> None:
+        super().__init__(kv_pool, req_to_token, scale)
+        device = kv_pool.k_buffer[0].device
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--attention-backend triton needs a CUDA device "
+                             "(or TRITON_INTERPRET=1, the slow interpreter the tests use)")
+        # imported here, not at module level: only this backend needs triton
+        from kernels import decode_attention, extend_attention, kv_cache_ops
+        self.decode_kernels = decode_attention
+        self.extend_kernels = extend_attention
+        self.kv_ops = kv_cache_ops
+
+    def init_forward_metadata(self, batch: ForwardBatch, out_cache_loc: torch.Tensor) -> TritonAttnMetadata:
+        device = out_cache_loc.device
+        table = self.req_to_token.table
+        bs = len(batch.seq_lens)
+        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=device)
+        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=device)
+        kv_indptr = self.kv_ops.build_kv_indptr(seq_lens)
+        kv_indices = self.kv_ops.build_kv_indices(table, rows, kv_indptr, sum(batch.seq_lens))
+        if batch.forward_mode == "decode":
+            num_kv_heads = self.kv_pool.k_buffer[0].shape[1]
+            splits = self.decode_kernels.choose_num_kv_splits(bs, num_kv_heads, max(batch.seq_lens), device)
+            return TritonAttnMetadata(
+                forward_mode="decode", batch_size=bs,
+                qo_indptr=torch.arange(bs + 1, dtype=torch.int64, device=device),
+                kv_indptr=kv_indptr, kv_indices=kv_indices, seq_lens=seq_lens,
+                prefix_lens=seq_lens - 1, out_cache_loc=out_cache_loc, num_kv_splits=splits)
+
+        prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
+        prefix_indptr = self.kv_ops.build_kv_indptr(prefix_lens)
+        prefix_indices = self.kv_ops.build_kv_indices(table, rows, prefix_indptr, sum(batch.prefix_lens))
+        return TritonAttnMetadata(
+            forward_mode="extend", batch_size=bs,
+            qo_indptr=self.kv_ops.build_kv_indptr(seq_lens - prefix_lens),
+            kv_indptr=kv_indptr, kv_indices=kv_indices, seq_lens=seq_lens, prefix_lens=prefix_lens,
+            out_cache_loc=out_cache_loc,
+            max_extend_len=max(s - p for s, p in zip(batch.seq_lens, batch.prefix_lens)),
+            prefix_indptr=prefix_indptr, prefix_indices=prefix_indices)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                meta: TritonAttnMetadata) -> torch.Tensor:
+        k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+        self.kv_ops.store_kv(k_buf, v_buf, meta.out_cache_loc, k, v)
+        o = q.new_empty(q.shape[0], q.shape[1], v_buf.shape[2])
+        if meta.is_decode:
+            if meta.decode_scratch is None:
+                meta.decode_scratch = self.decode_kernels.decode_scratch(
+                    meta.batch_size, q.shape[1], v_buf.shape[2], meta.num_kv_splits, q.device)
+            return self.decode_kernels.decode_attention_fwd(
+                q, k_buf, v_buf, o, meta.kv_indptr, meta.kv_indices, self.scale,
+                meta.num_kv_splits, meta.decode_scratch)
+        assert meta.prefix_indptr is not None and meta.prefix_indices is not None
+        return self.extend_kernels.extend_attention_fwd(
+            q, k, v, o, k_buf, v_buf, meta.qo_indptr, meta.prefix_indptr, meta.prefix_indices,
+            meta.max_extend_len, self.scale)

@@ -1,0 +1,86 @@
+"""The fused native decoder: a step's decoder layers as one call of
+layers.cpp's `DecoderStack`, where every piece of the step is native. It
+drives the native attention op directly, so it lives here beside the runner
+(which builds it) rather than in the model, which knows no particular
+attention backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from model_proc.attention.base import AttentionMetadata
+from model_proc.attention.native import MixedAttnMetadata, NativeAttnBackend
+from model_proc.attention.torch_backend import TorchAttnMetadata
+from model_proc.layers import Linear, MatmulKernel, native_layers_op
+
+if TYPE_CHECKING:
+    from model_proc.model import LlamaForCausalLM
+
+
+@dataclass
+class NativeDecoder:
+    """A step's decoder layers as one native call (layers.cpp `DecoderStack`):
+    the same ops as the modules' forward, in the same order and on the same
+    tensors, so the same bits, without Python between them. Built for one
+    native attention backend's KV pool: the model takes it only while its
+    layers still use that backend, and for steps whose attention is all the
+    op's (decode rows always; extend rows where the backend's
+    `native_extend` is on)."""
+    op: Any  # the layers module, for its AttnPart
+    stack: Any  # layers.cpp DecoderStack
+    backend: NativeAttnBackend
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                tokens: int) -> torch.Tensor | None:
+        """The layers' output, or None where the modules must run the step."""
+        parts = self.parts(meta, tokens)
+        return None if parts is None else self.stack.forward(x, cos, sin, parts)
+
+    def parts(self, meta: AttentionMetadata, tokens: int) -> list[Any] | None:
+        """The step's attention parts for the stack, or None where the
+        modules must run it (an extend on the torch path)."""
+        if type(meta) is TorchAttnMetadata:
+            if meta.is_decode:
+                return [self._part(meta, 0, tokens)]
+            return [self._part(meta, 0, tokens)] if self.backend.native_extend else None
+        if type(meta) is MixedAttnMetadata:
+            # a mixed step: its extend rows' tokens first, then its decoding rows'
+            t = meta.decode_token
+            if meta.extend is None:
+                return [self._part(meta.decode, 0, tokens)]
+            if not self.backend.native_extend:
+                return None
+            return [self._part(meta.extend, 0, t), self._part(meta.decode, t, tokens - t)]
+        return None
+
+    def _part(self, meta: TorchAttnMetadata, start: int, count: int) -> Any:
+        decode = meta.is_decode
+        return self.op.AttnPart(decode, start, count, meta.max_len, None if decode else meta.qo_indptr,
+                                meta.kv_indptr, meta.kv_indices, meta.out_cache_loc)
+
+
+def build_native_decoder(model: LlamaForCausalLM) -> NativeDecoder | None:
+    """The model's native decoder where every piece of a step is native here
+    (bfloat16 matmuls and rotary, the native attention op), on one rank and
+    without --deterministic (its fixed-size row blocks are Python's)."""
+    backend = model.layers[0].self_attn.backend
+    layer_linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
+    if model.tp.size > 1 or model.deterministic or not isinstance(backend, NativeAttnBackend) \
+            or backend.op is None or any(lin.kernel is not MatmulKernel.NATIVE for lin in layer_linears):
+        return None
+    op = native_layers_op(model.embed_tokens.weight.device)
+    attn0 = model.layers[0].self_attn
+    cfg = model.cfg
+    stack = op.DecoderStack(backend.op.decode_fn, backend.op.extend_fn, attn0.num_heads, attn0.num_kv_heads,
+                            cfg.head_dim, cfg.hidden_size, model.layers[0].mlp.inter, cfg.rms_norm_eps,
+                            backend.scale)
+    pool = backend.kv_pool
+    for i, layer in enumerate(model.layers):
+        a, m = layer.self_attn, layer.mlp
+        stack.add_layer(a.qkv_proj.packed, a.qkv_proj.packed_bias, a.o_proj.packed, a.o_proj.packed_bias,
+                        m.gate_up_proj.packed, m.gate_up_proj.packed_bias, m.down_proj.packed,
+                        m.down_proj.packed_bias, pool.k_buffer[i], pool.v_buffer[i])
+    return NativeDecoder(op, stack, backend)
