@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from model_proc.layers import onednn_supports
+
 
 def timed_calls(fn: Any, calls: int, stat: str = "min", warmups: int = 1) -> float:
     """`stat` (min or median) seconds of `calls` calls of fn after `warmups` untimed ones."""
@@ -37,7 +39,7 @@ def matmul_rate(dtype: torch.dtype, n: int = 2048) -> float:
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     with torch.inference_mode():
         seconds = best_seconds(lambda: torch.mm(a, b), repeat=5)
-        if torch.backends.mkldnn.is_available():
+        if onednn_supports(torch.device("cpu"), dtype):  # bfloat16 needs AVX512 (or AVX-NE-CONVERT)
             packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
             seconds = min(seconds, best_seconds(
                 lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), repeat=5))
