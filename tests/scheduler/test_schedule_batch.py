@@ -184,3 +184,33 @@ def test_with_pages_the_prefix_cache_keeps_whole_pages_and_frees_the_partial_las
     again = make_req("b", 10)
     assert cache.match(again).length == 8
     assert cache.check_invariant() is None
+
+
+def test_the_cache_manager_advances_lengths_and_a_refused_allocation_changes_nothing():
+    """kv_len has one writer: alloc_extend and alloc_decode advance it over the
+    slots they hand out; when the pool cannot hold a step, neither the pool nor
+    any length moves."""
+    cache = CacheManager(pool_size=8, num_rows=4, context_len=64, use_tree=False, page_size=4)
+    a, b = make_req("a", 3), make_req("b", 5)
+    for r in (a, b):
+        cache.admit(r, None)
+    assert cache.alloc_extend([a], [2]) is not None and a.kv_len == 2
+    assert cache.alloc_extend([a, b], [1, 5]) is None  # b needs two pages, one is free
+    assert (a.kv_len, b.kv_len, cache.allocator.available()) == (2, 0, 4)
+    assert cache.alloc_extend([a, b], [1, 4]) is not None and (a.kv_len, b.kv_len) == (3, 4)
+    assert cache.alloc_decode([a]) is not None and a.kv_len == 4  # the rest of its page
+    assert cache.alloc_decode([a, b]) is None  # both pages full, none free
+    assert (a.kv_len, b.kv_len) == (4, 4) and cache.check_invariant() is None
+    cache.release(a, cache=False)
+    assert a.kv_len == 0 and cache.allocator.available() == 4
+
+
+def test_the_prefill_adder_returns_what_it_admits_and_changes_no_request():
+    from scheduler_proc.prefill_adder import Admitted, PrefillAdder
+    adder = PrefillAdder.for_step(max_running=4, running=[], free_slots=100, max_prefill_tokens=100,
+                                  chunked_prefill_size=6, new_token_ratio=0.5)
+    a, b = make_req("a", 4), make_req("b", 5)
+    assert adder.fit(b, prefix_len=1) == (4, 4 + 4) and adder.can_run == []  # a question only
+    assert adder.try_add(a) and adder.try_add(b, prefix_len=1)
+    assert adder.can_run == [Admitted(a, 4), Admitted(b, 2)] and adder.new_chunked_req is b
+    assert (a.kv_len, b.kv_len) == (0, 0)
