@@ -10,19 +10,19 @@ its last page may be partly used; counts below are in slots of whole pages.
 Who owns a KV slot (slot 0 is the padding dummy and belongs to no one):
 
     free list ──alloc──► a running request's own tail ──finish: insert──► tree
-        ▲                     (positions cache_len..kv_len                │
-        │                      of its req_to_token row)                   │
+        ▲               (positions cached_prefix_len..kv_len              │
+        │                of its req_to_token row)                         │
         └──────── free: retraction, abort, duplicates ◄───────────────────┤
         └──────── evict: least recently used unlocked leaves ◄────────────┘
 
     tree slots are protected while some request's matched path holds a lock
-    on them (positions 0..cache_len of its row), evictable otherwise.
+    on them (positions 0..cached_prefix_len of its row), evictable otherwise.
 
     Invariant: free + evictable + protected + Σ requests' own pages = pool size.
 
 A request's row of `req_to_token` maps its positions to slots: the first
-`cache_len` are the tree's (locked by `req.last_node`), the rest its own. The
-model process's copy of the table follows what the batches carry: new
+`cached_prefix_len` are the tree's (locked by `req.last_node`), the rest its
+own. The model process's copy of the table follows what the batches carry: new
 tokens' slots, and the rows this class rewrote (`req.table_sync_len`, sent as
 ForwardBatch.table_rows with the request's next step), so a request can start
 from KV that another request computed.
@@ -30,6 +30,14 @@ from KV that another request computed.
 With `--disable-radix-cache` (and under static or dynamic batching) there is
 no tree: nothing is matched or inserted, and a request's slots go back to the
 free list when it ends.
+
+This class is also the one writer of a request's lengths, so that they cannot
+disagree with the table and the accounts above: `admit` sets `kv_len` and
+`cached_prefix_len` to the matched prefix, `alloc_extend` and `alloc_decode`
+advance `kv_len` over the slots they hand out (when a step is prepared, not
+when its result is read: with overlap, a release before then frees those
+slots too), `cache_unfinished` advances `cached_prefix_len`, and `release`
+resets both.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from typing import Any
 
 import torch
 
-from scheduler_proc.memory import PageAllocator, ReqToTokenPool, slots_taken
+from scheduler_proc.memory import PageAllocator, ReqToTokenPool, int64_tensor, slots_taken
 from scheduler_proc.radix_cache import PrefixMatch, RadixCache
 from scheduler_proc.req import Req
 
@@ -89,12 +97,13 @@ class CacheManager:
             self.tree.evict(short)
         return self.allocator.alloc_pages(n)
 
-    def alloc_extend(self, rows: list[int], prefix_lens: list[int], extend_lens: list[int]) -> torch.Tensor | None:
-        """Slots for extend_lens[i] more tokens of table row rows[i] after its
-        first prefix_lens[i], written into the table: the rest of the row's
-        last page, then new pages. Returns them concatenated (int64), or None
-        if the pool cannot hold them (nothing is taken then)."""
+    def alloc_extend(self, reqs: list[Req], extend_lens: list[int]) -> torch.Tensor | None:
+        """Slots for extend_lens[i] more tokens of reqs[i] after its kv_len,
+        written into its table row (the rest of its last page, then new pages),
+        and its kv_len advanced past them. Returns the slots concatenated
+        (int64), or None if the pool cannot hold them (nothing changes then)."""
         P = self.page_size
+        prefix_lens = [r.kv_len for r in reqs]
         fills = [min(n, -p % P) for p, n in zip(prefix_lens, extend_lens)]
         counts = [-(-(n - f) // P) for n, f in zip(extend_lens, fills)]
         pages = self._take_pages(sum(counts))
@@ -103,19 +112,28 @@ class CacheManager:
         runs = (self.allocator.first_slots(pages).view(-1, 1) + torch.arange(P)).view(-1, P)
         parts: list[torch.Tensor] = []
         used = 0
-        for row, p, n, f, k in zip(rows, prefix_lens, extend_lens, fills, counts):
+        for r, p, n, f, k in zip(reqs, prefix_lens, extend_lens, fills, counts):
+            row = r.req_pool_idx
             if f:  # the request's own last page (a chunk or a decode left it partly used)
                 start = int(self.table[row, p - 1]) + 1
                 parts.append(torch.arange(start, start + f))
             parts.append(runs[used:used + k].reshape(-1)[:n - f])
             used += k
             self.table[row, p:p + n] = torch.cat(parts[-2:] if f else parts[-1:]).to(torch.int32)
+            # prompt tokens served by the cache rather than computed: what was
+            # matched beyond what this request computed itself (earlier chunks)
+            r.cache_hit_tokens += max(0, p - r.already_computed)
+            r.already_computed = max(r.already_computed, p + n)
+            r.kv_len = p + n
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
-    def alloc_decode(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """A slot for one more token of each table row at its position, written
-        into the table: the next slot of the row's last page, or a new page's
-        first. None if the pool cannot hold them (nothing is taken then)."""
+    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
+        """A slot for one more token of each request at position kv_len,
+        written into its table row (the next slot of its last page, or a new
+        page's first), and its kv_len advanced by one. None if the pool cannot
+        hold them (nothing changes then)."""
+        rows = int64_tensor([r.req_pool_idx for r in reqs])
+        positions = int64_tensor([r.kv_len for r in reqs])
         opens = positions % self.page_size == 0
         pages = self._take_pages(int(opens.sum()))
         if pages is None:
@@ -126,6 +144,8 @@ class CacheManager:
             cont = ~opens
             locs[cont] = self.table[rows[cont], positions[cont] - 1].long() + 1
         self.table[rows, positions] = locs.to(torch.int32)
+        for r in reqs:
+            r.kv_len += 1
         return locs
 
     # ---- admission -----------------------------------------------------------------------
@@ -140,8 +160,9 @@ class CacheManager:
         key = req.fill_ids[:req.prefix_limit]
         return self.tree.match_prefix(key, req.cache_salt)
 
-    def cached_len(self, req: Req) -> int:
-        """How much of `req` the cache holds now (for the lpm policy)."""
+    def match_len(self, req: Req) -> int:
+        """How many leading tokens of `req` the cache could serve now (for the
+        lpm policy)."""
         match = self.match(req)
         return match.length if match is not None else 0
 
@@ -164,9 +185,9 @@ class CacheManager:
             req.last_node = match.node
             self.table[row, :n] = match.slots.to(torch.int32)
             req.table_sync_len = n
-            self.offered_tokens += req.seq_len - 1
+            self.offered_tokens += req.num_tokens - 1
             self.matched_tokens += n
-        req.cache_len = req.kv_len = n
+        req.cached_prefix_len = req.kv_len = n
 
     # ---- while running -------------------------------------------------------------------
 
@@ -178,13 +199,13 @@ class CacheManager:
         twice: this request's copies are freed and its row points at the
         tree's, here and, with its next step, in the model process."""
         n -= n % self.page_size  # the tree takes whole pages; the last partial one stays the request's
-        if self.tree is None or not req.req_pool_idx or n <= req.cache_len:
+        if self.tree is None or not req.req_pool_idx or n <= req.cached_prefix_len:
             return
         row = self.table[req.req_pool_idx]
         had = self._insert_own(req, req.fill_ids[:n], row[:n].long())
         match = self.tree.match_prefix(req.fill_ids[:n], req.cache_salt)
         assert match.length == n, "an inserted key must match in full"
-        if had > req.cache_len:
+        if had > req.cached_prefix_len:
             # its duplicates were freed: point the row at the tree's copies, here
             # and (with the request's next step) in the model process
             row[:n] = match.slots.to(torch.int32)
@@ -192,7 +213,7 @@ class CacheManager:
         self.tree.lock(match.node)
         self._unlock(req)
         req.last_node = match.node
-        req.cache_len = n
+        req.cached_prefix_len = n
 
     def _insert_own(self, req: Req, key: list[int], slots: torch.Tensor) -> int:
         """Insert `key`; the request's own slots for tokens the tree already had
@@ -200,8 +221,8 @@ class CacheManager:
         Returns how many leading tokens the tree had."""
         assert self.tree is not None
         had = self.tree.insert(key, slots, req.cache_salt)
-        if had > req.cache_len:
-            self.allocator.free(slots[req.cache_len:had])
+        if had > req.cached_prefix_len:
+            self.allocator.free(slots[req.cached_prefix_len:had])
         return had
 
     # ---- the end of a residency ----------------------------------------------------------
@@ -214,11 +235,11 @@ class CacheManager:
         if not req.req_pool_idx:
             return
         row = self.table[req.req_pool_idx]
-        kept = req.cache_len
+        kept = req.cached_prefix_len
         if cache and self.tree is not None:
-            kept = min(req.kv_len, req.seq_len)
+            kept = min(req.kv_len, req.num_tokens)
             kept -= kept % self.page_size  # whole pages only
-            if kept > req.cache_len:
+            if kept > req.cached_prefix_len:
                 self._insert_own(req, req.fill_ids[:kept], row[:kept].long())
         if req.kv_len > kept:
             self.allocator.free(row[kept:req.kv_len].long())
@@ -226,7 +247,7 @@ class CacheManager:
         del self.resident[req.req_pool_idx]
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = 0
-        req.kv_len = req.cache_len = req.table_sync_len = 0
+        req.kv_len = req.cached_prefix_len = req.table_sync_len = 0
         req.penalty_state_sent = False  # its next row gets its state rebuilt at its extend
 
     def _unlock(self, req: Req) -> None:
@@ -269,16 +290,16 @@ class CacheManager:
 
     def _fills_own_pages_in_order(self, req: Req) -> bool:
         P = self.page_size
-        own = self.table[req.req_pool_idx, req.cache_len:req.kv_len].long()
-        if req.cache_len % P or not bool(((own[::P] - 1) % P == 0).all()):
+        own = self.table[req.req_pool_idx, req.cached_prefix_len:req.kv_len].long()
+        if req.cached_prefix_len % P or not bool(((own[::P] - 1) % P == 0).all()):
             return False
         inner = torch.arange(own.numel())
         inner = inner[inner % P != 0]  # positions inside a page follow their predecessor
         return bool((own[inner] == own[inner - 1] + 1).all())
 
     def own_slots(self, req: Req) -> int:
-        """Slots of the pages `req` holds itself (from cache_len, a page boundary)."""
-        return self.pages_for(req.kv_len) - req.cache_len
+        """Slots of the pages `req` holds itself (from cached_prefix_len, a page boundary)."""
+        return self.pages_for(req.kv_len) - req.cached_prefix_len
 
     def stats(self) -> dict[str, Any]:
         tree = self.tree

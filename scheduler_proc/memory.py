@@ -7,7 +7,18 @@ so it can free a request's slots without asking the model.
 
 from __future__ import annotations
 
+from array import array
+
 import torch
+
+
+def int64_tensor(values: list[int]) -> torch.Tensor:
+    """torch.tensor(values, dtype=torch.int64), built for the per-step path:
+    torch.tensor reads a list element by element, while an array's buffer is
+    taken whole (the tensor holds on to it)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array("q", values), dtype=torch.int64)
 
 
 def slots_taken(kv_len: int, n: int, page_size: int) -> int:
@@ -22,7 +33,7 @@ class PageAllocator:
 
     A request's tokens fill its pages in order, so its keys and values lie in
     runs of `page_size` consecutive slots: attention streams a run instead of
-    fetching scattered 384-byte rows (SGLang's --page-size, vLLM's block
+    fetching rows scattered over the pool (SGLang's --page-size, vLLM's block
     size). A stack of page ids in one preallocated tensor: alloc takes the top
     n, free pushes back, each a slice copy costing the pages moved."""
 

@@ -123,7 +123,7 @@ class OutputProcessor:
             out.finished_reasons.append(req.finished_reason)
             out.prompt_tokens.append(len(req.origin_input_ids))
             out.completion_tokens.append(len(req.output_ids))
-            out.cached_tokens.append(req.cached_tokens)
+            out.cached_tokens.append(req.cache_hit_tokens)
             out.num_retractions.append(req.num_retractions)
             out.output_token_logprobs.append(req.output_token_logprobs[req.sent_len:])
             out.output_top_logprobs.append(req.output_top_logprobs[req.sent_len:])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 from common.messages import ForwardMode
+from scheduler_proc.prefill_adder import Admitted
 from scheduler_proc.req import Req
 from scheduler_proc.schedule_batch import NEEDS_RESULTS, NeedsResults, ScheduleBatch
 from scheduler_proc.scheduler import Scheduler
@@ -74,8 +75,7 @@ class PaddedBatchScheduler(Scheduler):
             waiting.popleft()
         for r in reqs:
             self.cache.admit(r, None)
-            r.extend_input_len = 0
-        return self.prefill.start(reqs, 0)
+        return self.prefill.start([Admitted(r, r.num_tokens) for r in reqs], 0)  # no prefix: all
 
     def retire(self, req: Req) -> None:
         """The row stays as padding until its batch ends; its rid is free for reuse."""

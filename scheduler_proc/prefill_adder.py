@@ -21,9 +21,19 @@ def expected_new_tokens(req: Req, new_token_ratio: float) -> int:
     return math.ceil(min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * ratio)
 
 
+@dataclass(slots=True, frozen=True)
+class Admitted:
+    """A request taken into a prefill batch, and how many of its tokens after
+    its kv_len that prefill computes (all the rest, or a chunk)."""
+
+    req: Req
+    extend_len: int
+
+
 @dataclass
 class PrefillAdder:
-    """Admits waiting requests while every budget holds.
+    """Admits waiting requests while every budget holds. It only keeps
+    accounts: what it admits is its `can_run` list, and no request is changed.
 
     `rem_total_tokens` starts as the available KV slots (free, or cached
     and evictable) minus what the running
@@ -40,7 +50,7 @@ class PrefillAdder:
     rem_chunk_tokens: int | None  # --chunked-prefill-size still unused
     new_token_ratio: float
     page_size: int = 1  # KV slots come in pages: a request's tokens take whole pages
-    can_run: list[Req] = field(default_factory=list)
+    can_run: list[Admitted] = field(default_factory=list)
     new_chunked_req: Req | None = None  # admitted with only part of its prompt
 
     @classmethod
@@ -57,37 +67,48 @@ class PrefillAdder:
     def add_chunked_req(self, req: Req, free_slots: int) -> None:
         """The next chunk of a prompt admitted earlier: its KV budget was promised
         then, so only the chunk size and the slots free right now bound it."""
-        extend = req.seq_len - req.kv_len
+        extend = req.num_tokens - req.kv_len
         if self.rem_chunk_tokens is not None:
             extend = min(extend, self.rem_chunk_tokens)
         room = -req.kv_len % self.page_size  # left in its last page
         extend = min(extend, room + max(free_slots, 0) // self.page_size * self.page_size)
         if extend <= 0:
             return
-        if req.kv_len + extend < req.seq_len:
+        if req.kv_len + extend < req.num_tokens:
             self.new_chunked_req = req
         self._admit(req, extend, promised=slots_taken(req.kv_len, extend, self.page_size))
 
-    def try_add(self, req: Req, prefix_len: int = 0, newly_protected: int = 0) -> bool:
-        """Admit `req` (sets req.extend_input_len) if it fits; False means stop
-        adding, so the queue's order is kept. `prefix_len` tokens come from the
-        prefix cache; locking them takes `newly_protected` evictable slots out
-        of what the budget counted as available."""
+    def fit(self, req: Req, prefix_len: int = 0, newly_protected: int = 0) -> tuple[int, int] | None:
+        """Whether `req` would be admitted now: (the tokens it would compute in
+        this prefill, the KV slots it would be promised), or None. Changes
+        nothing. `prefix_len` tokens come from the prefix cache; locking them
+        takes `newly_protected` evictable slots out of what the budget counted
+        as available."""
         if self.rem_running <= 0 or self.new_chunked_req is not None:
-            return False
-        extend = req.seq_len - prefix_len
+            return None
+        extend = req.num_tokens - prefix_len
         # the whole remaining prompt must fit, even when only a chunk runs now,
         # so that a chunked request can always finish its prefill
         need = slots_taken(prefix_len, extend, self.page_size) + expected_new_tokens(req, self.new_token_ratio) + newly_protected
         if need > self.rem_total_tokens:
-            return False
+            return None
         # one request longer than the prefill budget still runs, alone
         if extend > self.rem_prefill_tokens and self.can_run:
-            return False
+            return None
         if self.rem_chunk_tokens is not None and extend > self.rem_chunk_tokens:
             if self.rem_chunk_tokens <= 0:
-                return False
+                return None
             extend = self.rem_chunk_tokens
+        return extend, need
+
+    def try_add(self, req: Req, prefix_len: int = 0, newly_protected: int = 0) -> bool:
+        """Admit `req` if it fits (see `fit`); False means stop adding, so the
+        queue's order is kept."""
+        fit = self.fit(req, prefix_len, newly_protected)
+        if fit is None:
+            return False
+        extend, need = fit
+        if prefix_len + extend < req.num_tokens:
             self.new_chunked_req = req
         self._admit(req, extend, promised=need)
         return True
@@ -95,8 +116,7 @@ class PrefillAdder:
     def _admit(self, req: Req, extend: int, promised: float) -> None:
         """Take `req` into this batch: it computes `extend` tokens now and is
         promised `promised` KV slots of the budget."""
-        req.extend_input_len = extend
-        self.can_run.append(req)
+        self.can_run.append(Admitted(req, extend))
         self.rem_running -= 1
         self.rem_total_tokens -= promised
         self.rem_prefill_tokens -= extend

@@ -13,7 +13,7 @@ import torch
 from common.server_args import ServerArgs
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.policy import order_waiting_queue
-from scheduler_proc.prefill_adder import PrefillAdder
+from scheduler_proc.prefill_adder import Admitted, PrefillAdder
 from scheduler_proc.radix_cache import RadixCache
 from scheduler_proc.req import Req
 from scheduler_proc.request_queue import RequestQueue
@@ -61,7 +61,7 @@ class PrefillManager:
             if not adder.can_run:
                 return None
         waiting = self.queue.waiting = order_waiting_queue(
-            waiting, self.args.schedule_policy, self.cache.cached_len if self.cache.tree else None,
+            waiting, self.args.schedule_policy, self.cache.match_len if self.cache.tree else None,
             by_priority=self.args.enable_priority_scheduling,
             low_priority_first=self.args.schedule_low_priority_values_first)
         # what this batch computes, as a tree of its own: a request that would
@@ -69,7 +69,7 @@ class PrefillManager:
         # the cache (SGLang's in-batch prefix check, for every policy here)
         in_batch = RadixCache(lambda slots: None) if self.cache.tree is not None else None
         if in_batch is not None and self.chunked_req is not None:
-            self._computed_in_batch(in_batch, self.chunked_req)
+            self._computed_in_batch(in_batch, adder.can_run[0])
         admitted: set[int] = set()
         for req in waiting:
             match = self.cache.match(req)
@@ -83,7 +83,7 @@ class PrefillManager:
             self.cache.admit(req, match)  # its row, and its prefix locked in the tree
             admitted.add(id(req))
             if in_batch is not None:
-                self._computed_in_batch(in_batch, req)
+                self._computed_in_batch(in_batch, adder.can_run[-1])
         if not adder.can_run:
             return None
         self.blocked = None
@@ -95,25 +95,26 @@ class PrefillManager:
         return self.start(adder.can_run, len(running), continuing)
 
     @staticmethod
-    def _computed_in_batch(in_batch: RadixCache, req: Req) -> None:
-        n = req.kv_len + req.extend_input_len
+    def _computed_in_batch(in_batch: RadixCache, admitted: Admitted) -> None:
+        req = admitted.req
+        n = req.kv_len + admitted.extend_len
         in_batch.insert(req.fill_ids[:n], torch.zeros(n, dtype=torch.int64), req.cache_salt)
 
     def would_admit(self, req: Req, running: list[Req], new_token_ratio: float) -> bool:
         """Whether a prefill built now would admit `req` first (no step in flight)."""
         adder = self.adder(running, new_token_ratio, self.args.max_running_requests)
         match = self.cache.match(req)
-        fits = adder.try_add(req, prefix_len=match.length if match else 0,
-                             newly_protected=self.cache.newly_protected(match))
-        req.extend_input_len = 0  # a dry run
-        return fits
+        return adder.fit(req, prefix_len=match.length if match else 0,
+                         newly_protected=self.cache.newly_protected(match)) is not None
 
-    def start(self, reqs: list[Req], num_running: int, continuing: Req | None = None) -> ScheduleBatch:
-        """The prefill batch of `reqs`, slots allocated; `continuing`: the
-        request whose next chunk this is (not admitted now)."""
+    def start(self, admitted: list[Admitted], num_running: int, continuing: Req | None = None) -> ScheduleBatch:
+        """The prefill batch of the admitted requests, slots allocated;
+        `continuing`: the request whose next chunk this is (not admitted now)."""
         now = time.time()
         hit_tokens = 0  # taken from the prefix cache by the requests admitted now
-        for r in reqs:
+        reqs = [a.req for a in admitted]
+        for a in admitted:
+            r = a.req
             assert not r.pending_tokens, "a prefill needs every token of the request"
             hit = 0
             if r.admit_time is None:
@@ -124,10 +125,9 @@ class PrefillManager:
             else:
                 event = "chunk"  # the next chunk of a chunked prefill
             hit_tokens += hit
-            self.timeline.request(r.rid, event, t=now, tokens=r.extend_input_len
-                                  or r.seq_len - r.kv_len, cached_tokens=hit)
+            self.timeline.request(r.rid, event, t=now, tokens=a.extend_len, cached_tokens=hit)
         batch = ScheduleBatch.init_new(reqs)
-        batch.prepare_for_extend(self.cache)
+        batch.prepare_for_extend(self.cache, [a.extend_len for a in admitted])
         logger.info(
             "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
             "#running-req: %d, #queue-req: %d",

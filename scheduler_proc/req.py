@@ -43,17 +43,18 @@ class Req:
     grammar: Any = None  # a grammar.ReqGrammar once compiled
 
     output_ids: list[int] = field(default_factory=list)
+    # Its KV residency: written by CacheManager only (admit, alloc_extend,
+    # alloc_decode, cache_unfinished, release), read everywhere else.
     req_pool_idx: int = 0  # row of req_to_token while resident, 0 when not
     kv_len: int = 0  # tokens whose KV is in the pool, or will be once the steps sent have run
-    # the first cache_len of those are the prefix cache's, locked through last_node
-    # (a radix_cache.TreeNode); the rest are this request's own (CacheManager)
-    cache_len: int = 0
+    # the first cached_prefix_len of those are the prefix cache's, locked through
+    # last_node (a radix_cache.TreeNode); the rest are this request's own
+    cached_prefix_len: int = 0
     last_node: Any = None
     table_sync_len: int = 0  # the model's req_to_token row must get our first N slots
-    cached_tokens: int = 0  # prompt tokens taken from the cache, not computed (reported)
+    cache_hit_tokens: int = 0  # prompt tokens taken from the cache, not computed (reported as cached_tokens)
     already_computed: int = 0  # tokens this request has computed itself, at most
     pending_tokens: int = 0  # sampled in steps still in flight (overlap): the model has them
-    extend_input_len: int = 0  # tokens the coming prefill computes (a chunk, or all)
     admit_time: float | None = None  # first prefill start (queue time = admit - arrival)
     first_token_time: float = 0.0  # wall clock of the first output token (0: none yet)
     finish: FinishReason | None = None
@@ -99,7 +100,7 @@ class Req:
         """How many leading tokens may come from the prefix cache: all but the
         last (computed for its logits), and none past the first prompt position
         whose logprob is still wanted (a cached token is never recomputed)."""
-        n = self.seq_len - 1
+        n = self.num_tokens - 1
         return min(n, self.input_logprob_next) if self.wants_input_logprobs else n
 
     def penalty_init(self, row: int) -> PenaltyInit:
@@ -128,7 +129,9 @@ class Req:
         return self.origin_input_ids + self.output_ids
 
     @property
-    def seq_len(self) -> int:
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens known here (len(fill_ids)); a token still
+        in flight (pending_tokens) is not one yet."""
         return len(self.origin_input_ids) + len(self.output_ids)
 
     @property
@@ -166,14 +169,14 @@ class Req:
             return False
         n = len(self.output_ids) + self.pending_tokens
         return n >= self.sampling_params.max_new_tokens or \
-            self.seq_len + self.pending_tokens >= context_len
+            self.num_tokens + self.pending_tokens >= context_len
 
     def check_finished(self, context_len: int) -> None:
         """Set `finish` after a token was appended to output_ids."""
         last = self.output_ids[-1]
         if last in self.stop_token_ids or (self.grammar is not None and self.grammar.terminated):
             self.finish = FinishMatchedToken(last)
-        elif len(self.output_ids) >= self.sampling_params.max_new_tokens or self.seq_len >= context_len:
+        elif len(self.output_ids) >= self.sampling_params.max_new_tokens or self.num_tokens >= context_len:
             self.finish = FinishLength(len(self.output_ids))
 
     @property

@@ -1,8 +1,12 @@
 """ScheduleBatch: the rows the next forward runs on.
 
 The running batch changes only through `filter_batch` (gather the live rows)
-and `merge_batch` (concatenate a just-prefilled batch). Per-row state lives in
-tensors indexed by row, so both are one gather or one concatenation per field.
+and `merge_batch` (concatenate a just-prefilled batch). Per-row sampling state
+lives in tensors indexed by row, so both are one gather or one concatenation
+per field. A row's lengths are its request's (`Req.kv_len`, written by the
+CacheManager alone); `prepare_for_extend` and `prepare_for_decode` have the
+cache manager allocate and advance them, and read this step's from the
+requests.
 
 A mixed step (`--enable-mixed-chunk`, `mix_with_running`) is an extend whose
 last rows are the running batch's, each with one new token: its decode step,
@@ -22,7 +26,7 @@ from scheduler_proc.grammar import fill_bitmask
 from scheduler_proc.req import Req
 
 # Per-row tensors that filter_batch gathers and merge_batch concatenates.
-ROW_FIELDS = ("req_pool_indices", "seq_lens", "temperatures", "top_ps", "top_ks", "min_ps", "seeds",
+ROW_FIELDS = ("req_pool_indices", "temperatures", "top_ps", "top_ks", "min_ps", "seeds",
               "top_logprobs_nums")
 
 
@@ -36,7 +40,6 @@ class ScheduleBatch:
     forward_mode: ForwardMode = ForwardMode.DECODE
     # one entry per row
     req_pool_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    seq_lens: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     temperatures: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     top_ps: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     top_ks: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
@@ -46,8 +49,9 @@ class ScheduleBatch:
     return_logprob: bool = False  # some row wants logprobs
     has_penalties: bool = False  # some row uses penalties (else a step never looks for them)
     has_grammar: bool = False  # some row is constrained by a grammar
-    # this step only
-    prefix_lens: list[int] = field(default_factory=list)
+    # this step only (valid from prepare_for_* until the step is sent)
+    prefix_lens: list[int] = field(default_factory=list)  # each row's kv_len before the step
+    seq_lens: list[int] = field(default_factory=list)  # each row's kv_len after it (ForwardBatch.seq_lens)
     decode_from: int = 0  # rows from here on decode one token (all in decode, none in a plain extend)
     input_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     out_cache_loc: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
@@ -67,7 +71,6 @@ class ScheduleBatch:
         return cls(
             reqs=list(reqs),
             req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
-            seq_lens=torch.tensor([r.kv_len for r in reqs], dtype=torch.int64),
             temperatures=torch.tensor([sp.temperature for sp in sps], dtype=torch.float32),
             top_ps=torch.tensor([sp.top_p for sp in sps], dtype=torch.float32),
             top_ks=torch.tensor([sp.top_k for sp in sps], dtype=torch.int64),
@@ -112,22 +115,23 @@ class ScheduleBatch:
 
     # ---- preparing one step ----------------------------------------------------------
 
-    def prepare_for_extend(self, cache: CacheManager) -> None:
-        """Slots for every row's uncached tokens. Rows were given their table
-        row (and their cached prefix) at admission."""
+    def prepare_for_extend(self, cache: CacheManager, extend_lens: list[int] | None = None) -> None:
+        """Slots for extend_lens[i] tokens of row i after its kv_len (None:
+        all its tokens not in the pool yet). Rows were given their table row
+        (and their cached prefix) at admission."""
         self.forward_mode = ForwardMode.EXTEND
         self.decode_from = len(self.reqs)
-        fills = [r.fill_ids for r in self.reqs]
-        self.prefix_lens = [r.kv_len for r in self.reqs]
-        extend_lens = [r.extend_input_len or len(f) - p
-                       for r, f, p in zip(self.reqs, fills, self.prefix_lens)]
         assert all(r.req_pool_idx for r in self.reqs), "extend of a request without a table row"
-        locs = cache.alloc_extend([r.req_pool_idx for r in self.reqs], self.prefix_lens, extend_lens)
+        self.prefix_lens = [r.kv_len for r in self.reqs]
+        if extend_lens is None:
+            extend_lens = [r.num_tokens - p for r, p in zip(self.reqs, self.prefix_lens)]
+        locs = cache.alloc_extend(self.reqs, extend_lens)
         if locs is None:
             raise OutOfKVSlots(f"cannot allocate {sum(extend_lens)} KV slots")
         self.out_cache_loc = locs
+        self.seq_lens = [r.kv_len for r in self.reqs]
         self.input_ids = torch.tensor(
-            [t for f, p, n in zip(fills, self.prefix_lens, extend_lens) for t in f[p:p + n]],
+            [t for r, p, n in zip(self.reqs, self.prefix_lens, extend_lens) for t in r.fill_ids[p:p + n]],
             dtype=torch.int64)
         self.collect_table_rewrites(cache)
         # a row's penalty state is built from the request's tokens at its first
@@ -140,16 +144,6 @@ class ScheduleBatch:
                 r.penalty_state_sent = True
         self.collect_input_logprobs(extend_lens)
         self.req_pool_indices = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
-        self.seq_lens = torch.tensor([p + n for p, n in zip(self.prefix_lens, extend_lens)],
-                                     dtype=torch.int64)
-        for r, p, n in zip(self.reqs, self.prefix_lens, extend_lens):
-            # prompt tokens served by the cache rather than computed: what was
-            # matched beyond what this request computed itself (earlier chunks)
-            r.cached_tokens += max(0, p - r.already_computed)
-            r.already_computed = max(r.already_computed, p + n)
-            # counted from now: a request released before the step's result is
-            # read (an abort, with overlap) frees these slots too
-            r.kv_len = p + n
 
     def collect_input_logprobs(self, extend_lens: list[int]) -> None:
         """The prompt positions this extend computes whose logprobs rows still
@@ -169,7 +163,7 @@ class ScheduleBatch:
             r.input_logprob_next = hi
 
     def prepare_for_decode(self, cache: CacheManager) -> None:
-        """One new token per row: the row's last sampled token, at position seq_len.
+        """One new token per row: the row's last sampled token, at position kv_len.
         A token still in flight (overlap) goes as FUTURE_TOKEN: the model has it."""
         self.forward_mode = ForwardMode.DECODE
         self.decode_from = 0
@@ -177,16 +171,14 @@ class ScheduleBatch:
         self.penalty_inits = []
         self.input_logprob_rows, self.input_logprob_starts, self.input_logprob_targets = [], [], []
         self.collect_table_rewrites(cache)
-        locs = cache.alloc_decode(self.req_pool_indices, self.seq_lens)
+        locs = cache.alloc_decode(self.reqs)
         if locs is None:
             raise OutOfKVSlots(f"cannot allocate {len(self.reqs)} KV slots for decode")
         self.out_cache_loc = locs
+        self.seq_lens = [r.kv_len for r in self.reqs]
         self.input_ids = torch.tensor(
             [FUTURE_TOKEN if r.pending_tokens else r.output_ids[-1] for r in self.reqs],
             dtype=torch.int64)
-        self.seq_lens = self.seq_lens + 1
-        for r in self.reqs:
-            r.kv_len += 1
 
     def mix_with_running(self, running: "ScheduleBatch") -> None:
         """Append the running batch, prepared for its decode step, as extend
@@ -194,7 +186,8 @@ class ScheduleBatch:
         resolves them per row)."""
         assert self.forward_mode is ForwardMode.EXTEND and running.forward_mode is ForwardMode.DECODE
         self.decode_from = len(self.reqs)
-        self.prefix_lens = self.prefix_lens + (running.seq_lens - 1).tolist()
+        self.prefix_lens = self.prefix_lens + [n - 1 for n in running.seq_lens]
+        self.seq_lens = self.seq_lens + running.seq_lens
         self.input_ids = torch.cat([self.input_ids, running.input_ids])
         self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])
         self.table_rows = self.table_rows + running.table_rows
@@ -204,9 +197,9 @@ class ScheduleBatch:
 
     def keeps_token(self, i: int, seq_len: int) -> bool:
         """Whether row i keeps the token it samples this step (seq_len: its
-        length after the step): a decoding row always; an extend row only once
+        kv_len after the step): a decoding row always; an extend row only once
         its whole prompt is in (not after a mid-prompt chunk)."""
-        return i >= self.decode_from or seq_len == self.reqs[i].seq_len
+        return i >= self.decode_from or seq_len == self.reqs[i].num_tokens
 
     def collect_table_rewrites(self, cache: CacheManager) -> None:
         """Rows whose first slots the cache manager set (a matched prefix, or
@@ -239,7 +232,7 @@ class ScheduleBatch:
         return rows
 
     def to_forward_batch(self) -> ForwardBatch:
-        seq_lens = self.seq_lens.tolist()
+        seq_lens = self.seq_lens
         grammar_rows = self.grammar_rows(seq_lens)
         return ForwardBatch(
             forward_mode=self.forward_mode,

@@ -23,8 +23,7 @@ def prefilled_batch(reqs, cache: CacheManager) -> ScheduleBatch:
         cache.admit(r, None)
     batch = ScheduleBatch.init_new(reqs)
     batch.prepare_for_extend(cache)
-    for r, s in zip(reqs, batch.seq_lens.tolist()):
-        r.kv_len = s
+    for r in reqs:
         r.output_ids.append(7)
     return batch
 
@@ -34,7 +33,7 @@ def test_prepare_for_extend_writes_table_and_allocates_each_new_token_once():
     reqs = [make_req("a", 3), make_req("b", 5)]
     batch = prefilled_batch(reqs, cache)
     assert batch.input_ids.tolist() == list(range(10, 13)) + list(range(10, 15))
-    assert batch.seq_lens.tolist() == [3, 5]
+    assert batch.seq_lens == [3, 5] and [r.kv_len for r in reqs] == [3, 5]
     locs = batch.out_cache_loc
     assert len(set(locs.tolist())) == 8 and 0 not in locs.tolist()
     assert cache.allocator.available() == 92
@@ -62,7 +61,7 @@ def test_filter_batch_with_explicit_indices_reorders():
     batch = prefilled_batch([make_req("a", 3), make_req("b", 5), make_req("c", 2)], cache)
     batch.filter_batch([2, 0])
     assert [r.rid for r in batch.reqs] == ["c", "a"]
-    assert batch.seq_lens.tolist() == [2, 3]
+    assert [r.kv_len for r in batch.reqs] == [2, 3]
 
 
 def test_merge_batch_concatenates_rows_in_order():
@@ -71,7 +70,7 @@ def test_merge_batch_concatenates_rows_in_order():
     new = prefilled_batch([make_req("b", 5, seed=2), make_req("c", 2, seed=3)], cache)
     running.merge_batch(new)
     assert [r.rid for r in running.reqs] == ["a", "b", "c"]
-    assert running.seq_lens.tolist() == [3, 5, 2]
+    assert [r.kv_len for r in running.reqs] == [3, 5, 2]
     assert running.seeds.tolist() == [1, 2, 3]
     assert running.req_pool_indices.tolist() == [r.req_pool_idx for r in running.reqs]
     for name in ROW_FIELDS:
@@ -85,7 +84,7 @@ def test_prepare_for_decode_gives_each_row_one_slot_at_its_next_position():
     batch.prepare_for_decode(cache)
     assert batch.forward_mode == "decode"
     assert batch.input_ids.tolist() == [7, 7]
-    assert batch.seq_lens.tolist() == [4, 6]
+    assert batch.seq_lens == [4, 6] and [r.kv_len for r in reqs] == [4, 6]
     table = cache.table
     assert table[reqs[0].req_pool_idx, 3].item() == batch.out_cache_loc[0].item()
     assert table[reqs[1].req_pool_idx, 5].item() == batch.out_cache_loc[1].item()
@@ -162,12 +161,10 @@ def test_with_pages_each_request_fills_its_own_pages_in_order():
     # a chunk after a partial page: the page's rest, then a new one
     c = make_req("c", 10)
     cache.admit(c, None)
-    c.extend_input_len = 2
     chunk = ScheduleBatch.init_new([c])
-    chunk.prepare_for_extend(cache)
-    c.extend_input_len = 8
+    chunk.prepare_for_extend(cache, [2])
     rest = ScheduleBatch.init_new([c])
-    rest.prepare_for_extend(cache)
+    rest.prepare_for_extend(cache, [8])
     row = cache.table[c.req_pool_idx, :10]
     assert (row[:4] - row[0]).tolist() == [0, 1, 2, 3] and (row[4:8] - row[4]).tolist() == [0, 1, 2, 3]
     assert row[9] == row[8] + 1 and cache.allocator.available() == 64 - 12 - 12
@@ -181,9 +178,39 @@ def test_with_pages_the_prefix_cache_keeps_whole_pages_and_frees_the_partial_las
     r = make_req("a", 10)
     prefilled_batch([r], cache)
     cache.cache_unfinished(r, 10)
-    assert r.cache_len == 8 and cache.tree.evictable_size == 0 and cache.tree.protected_size == 8
+    assert r.cached_prefix_len == 8 and cache.tree.evictable_size == 0 and cache.tree.protected_size == 8
     cache.release(r, cache=True)  # the first 8 tokens stay in the tree; the partial page is freed
     assert cache.tree.evictable_size == 8 and cache.allocator.available() == 64 - 8
     again = make_req("b", 10)
     assert cache.match(again).length == 8
     assert cache.check_invariant() is None
+
+
+def test_the_cache_manager_advances_lengths_and_a_refused_allocation_changes_nothing():
+    """kv_len has one writer: alloc_extend and alloc_decode advance it over the
+    slots they hand out; when the pool cannot hold a step, neither the pool nor
+    any length moves."""
+    cache = CacheManager(pool_size=8, num_rows=4, context_len=64, use_tree=False, page_size=4)
+    a, b = make_req("a", 3), make_req("b", 5)
+    for r in (a, b):
+        cache.admit(r, None)
+    assert cache.alloc_extend([a], [2]) is not None and a.kv_len == 2
+    assert cache.alloc_extend([a, b], [1, 5]) is None  # b needs two pages, one is free
+    assert (a.kv_len, b.kv_len, cache.allocator.available()) == (2, 0, 4)
+    assert cache.alloc_extend([a, b], [1, 4]) is not None and (a.kv_len, b.kv_len) == (3, 4)
+    assert cache.alloc_decode([a]) is not None and a.kv_len == 4  # the rest of its page
+    assert cache.alloc_decode([a, b]) is None  # both pages full, none free
+    assert (a.kv_len, b.kv_len) == (4, 4) and cache.check_invariant() is None
+    cache.release(a, cache=False)
+    assert a.kv_len == 0 and cache.allocator.available() == 4
+
+
+def test_the_prefill_adder_returns_what_it_admits_and_changes_no_request():
+    from scheduler_proc.prefill_adder import Admitted, PrefillAdder
+    adder = PrefillAdder.for_step(max_running=4, running=[], free_slots=100, max_prefill_tokens=100,
+                                  chunked_prefill_size=6, new_token_ratio=0.5)
+    a, b = make_req("a", 4), make_req("b", 5)
+    assert adder.fit(b, prefix_len=1) == (4, 4 + 4) and adder.can_run == []  # a question only
+    assert adder.try_add(a) and adder.try_add(b, prefix_len=1)
+    assert adder.can_run == [Admitted(a, 4), Admitted(b, 2)] and adder.new_chunked_req is b
+    assert (a.kv_len, b.kv_len) == (0, 0)
