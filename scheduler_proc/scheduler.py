@@ -10,8 +10,8 @@ import time
 from collections import deque
 from typing import Callable
 
-from common.messages import (AbortKind, AbortReq, FinishMatchedStr, ForwardMode, ModelInfo, StopMatchedReq,
-                             TokenizedGenerateReq, ToSchedulerMsg, ToTokenizerMsg)
+from common.messages import (AbortKind, AbortReq, FinishAbort, FinishMatchedStr, FinishReason, ForwardMode, ModelInfo,
+                             StopMatchedReq, TokenizedGenerateReq, ToSchedulerMsg, ToTokenizerMsg)
 from common.server_args import ServerArgs
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.decode_manager import DecodeManager
@@ -74,9 +74,9 @@ class Scheduler:
             if isinstance(msg, TokenizedGenerateReq):
                 self.handle_generate_request(msg)
             elif isinstance(msg, AbortReq):
-                self.abort_request(msg.rid)
-            elif isinstance(msg, StopMatchedReq):
-                self.stop_request(msg.rid, msg.matched)
+                self.end_rid(msg.rid, FinishAbort(AbortKind.CLIENT_GONE, "aborted by the client"))
+            elif isinstance(msg, StopMatchedReq):  # a stop: its tokens are as good as any, and cached
+                self.end_rid(msg.rid, FinishMatchedStr(msg.matched))
             else:  # a query
                 self.send_output(answer(self, msg))
 
@@ -89,19 +89,11 @@ class Scheduler:
         if req.finished:  # refused
             self.output.stream([req])
 
-    def abort_request(self, rid: str) -> None:
-        """Ends `rid` now: the client went away or asked for it."""
+    def end_rid(self, rid: str, reason: FinishReason) -> None:
+        """Ends `rid` now, if it is still live, with `reason`."""
         req = self.queue.by_rid.get(rid)
         if req is not None and not req.finished:
-            req.abort(AbortKind.CLIENT_GONE, "aborted by the client")
-            self.end(req)
-
-    def stop_request(self, rid: str, matched: str) -> None:
-        """Ends `rid` on the stop string the tokenizer process matched in its
-        text: a stop, so its tokens are as good as any finished request's, and cached."""
-        req = self.queue.by_rid.get(rid)
-        if req is not None and not req.finished:
-            req.finish = FinishMatchedStr(matched)
+            req.finish = reason
             self.end(req)
 
     # ---- the lifecycle verbs: waiting -> running -> finished, and back by retract ----
