@@ -7,8 +7,9 @@ handler (`update()` after each wake-up), so a failure here fails that one
 request and nothing else.
 
 When a stop string (or stop regex) matches, the output is finished here,
-before the scheduler knows; the caller then aborts the scheduler request (to
-free its KV) and the scheduler's later abort row is never read. With
+before the scheduler knows; the caller then tells the scheduler (a
+StopMatchedReq, which frees its KV) and the scheduler's later final row is
+never read. With
 `no_stop_trim` the matched stop string, or the text of a matched stop token,
 stays in the text (SGLang's).
 """
