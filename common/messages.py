@@ -364,7 +364,7 @@ class IpcPaths(msgspec.Struct):
         )
 
 
-ToSchedulerMsg = Union[TokenizedGenerateReq, AbortReq, StopMatchedReq, StateQuery, FlushCacheQuery, TimelineQuery]
+ToSchedulerMsg = Union[TokenizedGenerateReq, AbortReq, StopMatchedReq, SchedulerQuery]
 ToTokenizerMsg = Union[BatchTokenOut, SchedulerReply]
 ToModelMsg = ForwardBatch
 FromModelMsg = ForwardResult

@@ -18,7 +18,7 @@ from scheduler_proc.request_queue import RequestQueue
 from scheduler_proc.timeline import MAX_EVENTS_PER_CALL, Timeline
 
 
-class Scheduler(Protocol):
+class SchedulerView(Protocol):
     """What the answers read of scheduler_proc.scheduler.Scheduler (which imports this module)."""
 
     args: ServerArgs
@@ -35,7 +35,7 @@ class Scheduler(Protocol):
     def is_idle(self) -> bool: ...
 
 
-def answer(sched: Scheduler, query: SchedulerQuery) -> SchedulerReply:
+def answer(sched: SchedulerView, query: SchedulerQuery) -> SchedulerReply:
     if isinstance(query, StateQuery):
         return SchedulerReply(query_id=query.query_id, ok=True, data=scheduler_state(sched))
     if isinstance(query, TimelineQuery):
@@ -43,14 +43,14 @@ def answer(sched: Scheduler, query: SchedulerQuery) -> SchedulerReply:
     return flush_cache(sched, query)
 
 
-def timeline_since(sched: Scheduler, query: TimelineQuery) -> dict[str, Any]:
+def timeline_since(sched: SchedulerView, query: TimelineQuery) -> dict[str, Any]:
     limit = min(query.limit, MAX_EVENTS_PER_CALL) if query.limit > 0 else MAX_EVENTS_PER_CALL
     events, more = sched.timeline.since(query.since, query.after_seq, limit)
     return {"now": time.time(), "seq": sched.timeline.seq, "events": events, "more": more,
             "next_seq": events[-1]["seq"] if events else max(query.after_seq, 0)}
 
 
-def flush_cache(sched: Scheduler, query: FlushCacheQuery) -> SchedulerReply:
+def flush_cache(sched: SchedulerView, query: FlushCacheQuery) -> SchedulerReply:
     # Like SGLang, refused while requests are live: their prefixes are locked.
     if not sched.is_idle():
         return SchedulerReply(query_id=query.query_id, ok=False,
@@ -60,7 +60,7 @@ def flush_cache(sched: Scheduler, query: FlushCacheQuery) -> SchedulerReply:
     return SchedulerReply(query_id=query.query_id, ok=True, message="Cache flushed.")
 
 
-def scheduler_state(sched: Scheduler) -> dict[str, Any]:
+def scheduler_state(sched: SchedulerView) -> dict[str, Any]:
     """The scheduler's live state: queues, KV usage, counters."""
     running = sched.decode.running_batch
     return {
