@@ -7,13 +7,9 @@ ever pickled: a pickle on a socket is a remote-code-execution hole.
 from __future__ import annotations
 
 import enum
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import msgspec
-
-
-# |logit_bias| above this cannot change a choice any more, and keeps logits finite in float32
-MAX_LOGIT_BIAS = 1e9
 
 
 class ForwardMode(enum.StrEnum):
@@ -94,41 +90,109 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
 
 
 class AbortReq(msgspec.Struct, tag=True):
-    """Drop request `rid` and free its KV. `stop_matched` is set when the
-    tokenizer process ended it on a stop string (matched on the text, which
-    only it sees): the scheduler then finishes it as a stop, not an abort."""
+    """Drop request `rid` and free its KV (the client went away or asked for it)."""
 
     rid: str
-    stop_matched: str | None = None
 
 
-class SchedulerQuery(msgspec.Struct, tag=True):
-    """A question for the scheduler, answered by a SchedulerReply with the same
-    query_id. kind "state": its live state (queues, KV usage, counters);
-    kind "flush_cache": reset cache state, refused while requests run;
-    kind "timeline": recent request and step events (see scheduler_proc/timeline.py)."""
+class StopMatchedReq(msgspec.Struct, tag=True):
+    """The tokenizer process ended request `rid` on the stop string (or stop
+    regex) match `matched`, found in the text, which only it sees: the
+    scheduler finishes it as a stop (its KV is freed into the prefix cache)."""
+
+    rid: str
+    matched: str
+
+
+# Questions for the scheduler, one message each, answered by a SchedulerReply
+# with the same query_id (scheduler_proc/queries.py answers them).
+
+
+class StateQuery(msgspec.Struct, tag=True):
+    """Its live state: queues, KV usage, counters."""
 
     query_id: str
-    kind: str
-    since: float = 0.0  # kind "timeline": events after this time.time()
-    after_seq: int = 0  # kind "timeline": events after this sequence number (a cursor)
-    limit: int = 0  # kind "timeline": at most this many events (0: the scheduler's bound)
+
+
+class FlushCacheQuery(msgspec.Struct, tag=True):
+    """Reset the prefix cache; refused while requests run or wait."""
+
+    query_id: str
+
+
+class TimelineQuery(msgspec.Struct, tag=True):
+    """Recent request and step events (scheduler_proc/timeline.py)."""
+
+    query_id: str
+    since: float = 0.0  # events after this time.time()
+    after_seq: int = 0  # events after this sequence number (a cursor)
+    limit: int = 0  # at most this many events (0: the scheduler's bound)
+
+
+SchedulerQuery = Union[StateQuery, FlushCacheQuery, TimelineQuery]
 
 
 # ---- scheduler_proc -> tokenizer_proc -------------------------------------------------
 
 
-class BatchTokenOut(msgspec.Struct, tag=True):
-    """Per row: the tokens produced since the last message for that rid.
+class AbortKind(enum.Enum):
+    """Why a request was ended before its time. The tokenizer process alone
+    decides what each means for the client (its HTTP status, the JSON it
+    shows: tokenizer_proc/finish_json.py)."""
 
-    `finished_reasons[i]` is None while the request runs, else a dict as the
-    HTTP API shows it: {"type": "stop", "matched": id}, {"type": "length",
-    "length": n} or {"type": "abort", "message": text}.
-    """
+    CLIENT_GONE = "client_gone"  # the client went away, or asked for the abort
+    QUEUE_FULL = "queue_full"  # no room in the waiting queue, or waited past --queue-timeout-ms
+    INVALID = "invalid"  # refused: it can never run here (its parameters, its length, its grammar)
+    DEADLINE = "deadline"  # its timeout (or --request-timeout-s) ran out
+    SHUTDOWN = "shutdown"  # the server stopped before it finished (--shutdown-timeout ran out)
+    SERVER_DOWN = "server_down"  # a process of the server died: nothing in flight can finish
+    SERVER_ERROR = "server_error"  # an internal failure (or a stop regex that took too long)
+
+
+# Why a request finished (SGLang's FINISH_* classes). `type` is the family a
+# client sees ("stop", "length", "abort").
+
+
+class FinishMatchedToken(msgspec.Struct, tag=True, frozen=True):
+    """Sampled a stop token (EOS, a stop_token_id, or the end of a grammar)."""
+
+    type: ClassVar[str] = "stop"
+    token: int
+
+
+class FinishMatchedStr(msgspec.Struct, tag=True, frozen=True):
+    """The tokenizer process matched a stop string (or stop regex) in the text."""
+
+    type: ClassVar[str] = "stop"
+    text: str
+
+
+class FinishLength(msgspec.Struct, tag=True, frozen=True):
+    """max_new_tokens reached, or the context is full."""
+
+    type: ClassVar[str] = "length"
+    length: int
+
+
+class FinishAbort(msgspec.Struct, tag=True, frozen=True):
+    """Ended before its time: by the client, a deadline, a refusal at
+    admission, the server stopping, an error."""
+
+    type: ClassVar[str] = "abort"
+    kind: AbortKind
+    message: str
+
+
+FinishReason = Union[FinishMatchedToken, FinishMatchedStr, FinishLength, FinishAbort]
+
+
+class BatchTokenOut(msgspec.Struct, tag=True):
+    """Per row: the tokens produced since the last message for that rid;
+    `finished_reasons[i]` is None while the request runs."""
 
     rids: list[str]
     new_token_ids: list[list[int]]
-    finished_reasons: list[dict[str, Any] | None]
+    finished_reasons: list[FinishReason | None]
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
@@ -300,7 +364,7 @@ class IpcPaths(msgspec.Struct):
         )
 
 
-ToSchedulerMsg = Union[TokenizedGenerateReq, AbortReq, SchedulerQuery]
+ToSchedulerMsg = Union[TokenizedGenerateReq, AbortReq, StopMatchedReq, SchedulerQuery]
 ToTokenizerMsg = Union[BatchTokenOut, SchedulerReply]
 ToModelMsg = ForwardBatch
 FromModelMsg = ForwardResult

@@ -8,6 +8,7 @@ import logging
 import time
 from typing import Callable
 
+from common.messages import AbortKind
 from common.server_args import ServerArgs
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.new_token_ratio import NewTokenRatio
@@ -123,7 +124,7 @@ class DecodeManager:
                     break
             if len(keep) == 1:  # cannot happen after validate(); never loop forever
                 req = batch.reqs[i]
-                req.abort(f"the KV pool ({self.cache.size} tokens) cannot hold this request")
+                req.abort(AbortKind.SERVER_ERROR, f"the KV pool ({self.cache.size} tokens) cannot hold this request")
                 self.end(req)
                 keep.discard(i)
                 break

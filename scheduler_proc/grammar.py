@@ -18,8 +18,8 @@ With the overlap schedule, a constrained row's mask for step t+1 needs the
 token of step t, so the scheduler reads the step in flight before it builds a
 step with constrained rows (scheduler.step): those steps run without overlap.
 
-The tokenizer process has already refused grammars that do not parse (a 400
-before anything runs); a compile error here still fails only its request.
+The tokenizer process has already refused grammars that do not parse (before
+anything runs); a compile error here still fails only its request.
 """
 
 from __future__ import annotations

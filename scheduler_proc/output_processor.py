@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from common.messages import BatchTokenOut, ForwardMode, ForwardResult, ToTokenizerMsg
+from common.messages import AbortKind, BatchTokenOut, ForwardMode, ForwardResult, ToTokenizerMsg
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.req import Req
 from scheduler_proc.timeline import Timeline
@@ -90,7 +90,7 @@ class OutputProcessor:
         if req.grammar is not None and not req.grammar.accept(token):
             # the step's mask allows only what the matcher accepts: a bug
             logger.error("request %s: the grammar rejected sampled token %d", req.rid, token)
-            req.abort("internal error: the grammar rejected a sampled token")
+            req.abort(AbortKind.SERVER_ERROR, "internal error: the grammar rejected a sampled token")
         if not req.first_token_time:
             req.first_token_time = time.time()
             self.timeline.request(req.rid, "first_token", t=req.first_token_time)
@@ -120,7 +120,7 @@ class OutputProcessor:
                     continue
             out.rids.append(req.rid)
             out.new_token_ids.append(req.output_ids[req.sent_len:])
-            out.finished_reasons.append(req.finished_reason)
+            out.finished_reasons.append(req.finish)
             out.prompt_tokens.append(len(req.origin_input_ids))
             out.completion_tokens.append(len(req.output_ids))
             out.cached_tokens.append(req.cache_hit_tokens)
@@ -133,7 +133,7 @@ class OutputProcessor:
             req.sent_len = len(req.output_ids)
             req.finish_sent = req.finished
             if req.finished:
-                self.timeline.request(req.rid, "finished", reason=req.finished_reason["type"],
+                self.timeline.request(req.rid, "finished", reason=req.finish.type,
                                       completion_tokens=len(req.output_ids))
         if out.rids:
             self.send_output(out)

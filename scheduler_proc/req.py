@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from common.messages import PenaltyInit, SamplingParams, TokenizedGenerateReq
-from scheduler_proc.finish_reason import FinishAbort, FinishLength, FinishMatchedToken, FinishReason
+from common.messages import (AbortKind, FinishAbort, FinishLength, FinishMatchedToken, FinishReason, PenaltyInit,
+                             SamplingParams, TokenizedGenerateReq)
 
 
 class ReqState(Enum):
@@ -149,11 +149,6 @@ class Req:
         return self.finish is not None
 
     @property
-    def finished_reason(self) -> dict[str, Any] | None:
-        """The finish reason as clients see it (None while running)."""
-        return None if self.finish is None else self.finish.to_json()
-
-    @property
     def aborted(self) -> bool:
         return isinstance(self.finish, FinishAbort)
 
@@ -185,5 +180,5 @@ class Req:
         end = self.admit_time if self.admit_time is not None else time.time()
         return max(0.0, end - self.arrival_time)
 
-    def abort(self, message: str, status_code: int | None = None) -> None:
-        self.finish = FinishAbort(message, status_code)  # status_code: what the client gets (503: queue full)
+    def abort(self, kind: AbortKind, message: str) -> None:
+        self.finish = FinishAbort(kind, message)

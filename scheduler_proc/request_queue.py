@@ -8,22 +8,20 @@ import logging
 from collections import deque
 from typing import Callable
 
-from common.messages import MAX_LOGIT_BIAS, ModelInfo, TokenizedGenerateReq
+from common.messages import AbortKind, ModelInfo, TokenizedGenerateReq
+from common.sampling_rules import sampling_error
 from common.server_args import ServerArgs
 from scheduler_proc.grammar import GrammarBackend, ReqGrammar
 from scheduler_proc.req import Req
 
 logger = logging.getLogger(__name__)
 
-QUEUE_FULL_STATUS = 503  # also a queue timeout: the client may retry
-BAD_REQUEST_STATUS = 400  # refused at admission: the request can never run here
-
 
 def default_queue_limit(max_running_requests: int, pool_tokens: int) -> int:
     """Waiting requests allowed without --max-queued-requests: enough to refill
     the running batch 8 times, or to fill the KV pool with 64-token requests,
-    and never fewer than 128. A bounded queue turns overload into quick 503s
-    instead of unbounded memory and waits."""
+    and never fewer than 128. A bounded queue turns overload into quick
+    refusals instead of unbounded memory and waits."""
     return max(128, 8 * max_running_requests, pool_tokens // 64)
 
 
@@ -65,9 +63,9 @@ class RequestQueue:
             return None
         error = self.validate(req)
         if error is not None:
-            req.abort(error, status_code=BAD_REQUEST_STATUS)
+            req.abort(AbortKind.INVALID, error)
         elif len(self) >= self.max_queued:
-            req.abort(f"the queue is full ({self.max_queued} requests waiting)", status_code=QUEUE_FULL_STATUS)
+            req.abort(AbortKind.QUEUE_FULL, f"the queue is full ({self.max_queued} requests waiting)")
         if req.finished:
             return req
         self.by_rid[req.rid] = req
@@ -85,24 +83,19 @@ class RequestQueue:
         return req
 
     def validate(self, req: Req) -> str | None:
-        """The tokenizer process already checks these; a scheduler never trusts a peer."""
+        """The tokenizer process already checks these; a scheduler never trusts a
+        peer: out-of-range values would overflow the batch's int64 tensors and
+        stop the loop."""
         n = len(req.origin_input_ids)
-        sp = req.sampling_params
-        max_new = sp.max_new_tokens
+        max_new = req.sampling_params.max_new_tokens
         vocab = self.model_info.vocab_size
         if n == 0:
             return "the prompt is empty"
-        # out-of-range values would overflow the batch's int64 tensors and stop the loop
-        if not -1 <= sp.top_k < 2**31 or (sp.seed is not None and not -1 <= sp.seed < 2**63) \
-                or max_new < 1 or not all(0 <= t < vocab for t in req.origin_input_ids):
-            return "sampling parameters or token ids out of range"
-        if not -2 <= sp.frequency_penalty <= 2 or not -2 <= sp.presence_penalty <= 2 \
-                or not 0 < sp.repetition_penalty <= 2 or not 0 <= sp.min_new_tokens <= max_new \
-                or not all(0 <= t < vocab and abs(b) <= MAX_LOGIT_BIAS for t, b in sp.logit_bias.items()) \
-                or (sp.stream_interval is not None and sp.stream_interval < 1):
-            return "penalties, logit_bias, min_new_tokens or stream_interval out of range"
-        if sp.grammar is not None and sp.min_new_tokens > 0:
-            return "min_new_tokens cannot be combined with a grammar (json_schema, regex, ebnf)"
+        if not all(0 <= t < vocab for t in req.origin_input_ids):
+            return f"token ids must be in [0, {vocab})"
+        error = sampling_error(req.sampling_params, vocab)
+        if error is not None:
+            return error
         if not -1 <= req.logprob_start_len < n:
             return f"logprob_start_len ({req.logprob_start_len}) must be -1 or below the prompt length ({n})"
         context_len = self.model_info.context_len
@@ -125,7 +118,7 @@ class RequestQueue:
                 continue
             error = req.grammar_future.exception()
             if error is not None:
-                req.abort(f"invalid grammar: {error}", status_code=BAD_REQUEST_STATUS)
+                req.abort(AbortKind.INVALID, f"invalid grammar: {error}")
                 failed.append(req)
                 continue
             req.grammar = ReqGrammar(req.grammar_future.result())
@@ -137,20 +130,20 @@ class RequestQueue:
     def expired(self, now: float) -> list[Req]:
         """Requests past their deadline, given their abort: wherever they are;
         and those still waiting for their first prefill after
-        --queue-timeout-ms (a 503). The caller ends them."""
+        --queue-timeout-ms (as if the queue were full). The caller ends them."""
         out: list[Req] = []
         while self.deadlines and self.deadlines[0][0] <= now:
             t, rid = heapq.heappop(self.deadlines)
             req = self.by_rid.get(rid)
             if req is not None and req.deadline == t and not req.finished:
-                req.abort("deadline exceeded")
+                req.abort(AbortKind.DEADLINE, "deadline exceeded")
                 out.append(req)
         while self.queue_deadlines and self.queue_deadlines[0][0] <= now:
             t, rid = heapq.heappop(self.queue_deadlines)
             req = self.by_rid.get(rid)
             if req is not None and req.admit_time is None and not req.finished \
                     and t == req.arrival_time + self.args.queue_timeout_ms / 1000:  # not a reused rid
-                req.abort("request queue timeout", status_code=QUEUE_FULL_STATUS)
+                req.abort(AbortKind.QUEUE_FULL, "request queue timeout")
                 out.append(req)
         return out
 

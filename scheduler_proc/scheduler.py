@@ -8,22 +8,22 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Callable
 
-from common.messages import (AbortReq, ForwardMode, ModelInfo, SchedulerQuery, SchedulerReply,
-                             TokenizedGenerateReq, ToSchedulerMsg, ToTokenizerMsg)
+from common.messages import (AbortKind, AbortReq, FinishAbort, FinishMatchedStr, FinishReason, ForwardMode, ModelInfo,
+                             StopMatchedReq, TokenizedGenerateReq, ToSchedulerMsg, ToTokenizerMsg)
 from common.server_args import ServerArgs
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.decode_manager import DecodeManager
-from scheduler_proc.finish_reason import FinishMatchedStr
 from scheduler_proc.model_client import LocalModel, ModelClient, as_model_client
 from scheduler_proc.new_token_ratio import NewTokenRatio
 from scheduler_proc.output_processor import LaunchedStep, OutputProcessor
 from scheduler_proc.prefill_manager import PrefillManager
+from scheduler_proc.queries import answer
 from scheduler_proc.req import Req
 from scheduler_proc.request_queue import RequestQueue, default_queue_limit  # noqa: F401 (re-exported)
 from scheduler_proc.schedule_batch import NEEDS_RESULTS, NeedsResults, ScheduleBatch
-from scheduler_proc.timeline import MAX_EVENTS_PER_CALL, Timeline
+from scheduler_proc.timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +74,11 @@ class Scheduler:
             if isinstance(msg, TokenizedGenerateReq):
                 self.handle_generate_request(msg)
             elif isinstance(msg, AbortReq):
-                self.abort_request(msg.rid, msg.stop_matched)
-            elif isinstance(msg, SchedulerQuery):
-                self.send_output(self.answer_query(msg))
+                self.end_rid(msg.rid, FinishAbort(AbortKind.CLIENT_GONE, "aborted by the client"))
+            elif isinstance(msg, StopMatchedReq):  # a stop: its tokens are as good as any, and cached
+                self.end_rid(msg.rid, FinishMatchedStr(msg.matched))
+            else:  # a query
+                self.send_output(answer(self, msg))
 
     def handle_generate_request(self, msg: TokenizedGenerateReq) -> None:
         req = self.queue.add(msg)
@@ -87,38 +89,12 @@ class Scheduler:
         if req.finished:  # refused
             self.output.stream([req])
 
-    def abort_request(self, rid: str, stop_matched: str | None = None) -> None:
-        """Ends `rid` now: aborted by the client, or stopped by the stop string
-        the tokenizer process matched in its text."""
+    def end_rid(self, rid: str, reason: FinishReason) -> None:
+        """Ends `rid` now, if it is still live, with `reason`."""
         req = self.queue.by_rid.get(rid)
-        if req is None or req.finished:
-            return
-        if stop_matched is None:
-            req.abort("aborted by the client")
-        else:  # a stop: its tokens are as good as any finished request's, and cached
-            req.finish = FinishMatchedStr(stop_matched)
-        self.end(req)
-
-    def answer_query(self, query: SchedulerQuery) -> SchedulerReply:
-        if query.kind == "state":
-            return SchedulerReply(query_id=query.query_id, ok=True, data=self.state())
-        if query.kind == "timeline":
-            limit = min(query.limit, MAX_EVENTS_PER_CALL) if query.limit > 0 else MAX_EVENTS_PER_CALL
-            events, more = self.timeline.since(query.since, query.after_seq, limit)
-            return SchedulerReply(query_id=query.query_id, ok=True, data={
-                "now": time.time(), "seq": self.timeline.seq, "events": events, "more": more,
-                "next_seq": events[-1]["seq"] if events else max(query.after_seq, 0)})
-        if query.kind == "flush_cache":
-            # Like SGLang, refused while requests are live: their prefixes are locked.
-            if not self.is_idle():
-                return SchedulerReply(query_id=query.query_id, ok=False,
-                                      message="cannot flush the cache while requests are running "
-                                              "or waiting")
-            self.cache.flush()
-            self.ratio.reset()
-            return SchedulerReply(query_id=query.query_id, ok=True, message="Cache flushed.")
-        return SchedulerReply(query_id=query.query_id, ok=False,
-                              message=f"unknown query kind {query.kind!r}")
+        if req is not None and not req.finished:
+            req.finish = reason
+            self.end(req)
 
     # ---- the lifecycle verbs: waiting -> running -> finished, and back by retract ----
 
@@ -290,30 +266,3 @@ class Scheduler:
                 timeout = 0.0
             self.process_input_requests(recv_requests(timeout))
             ran = self.step() is not None
-
-    # ---- stats --------------------------------------------------------------------------
-
-    def state(self) -> dict[str, Any]:
-        running = self.decode.running_batch
-        return {
-            "max_running_requests": self.args.max_running_requests,
-            "batching": self.args.batching,
-            "num_running_reqs": len(running) if running else 0,
-            "num_waiting_reqs": len(self.queue.waiting),
-            "num_grammar_queue_reqs": len(self.queue.grammar_wait),  # waiting for their grammar to compile
-            "max_queued_requests": self.queue.max_queued,
-            # admitted, part of its prompt in the pool, the rest still to prefill:
-            # neither in the running batch nor waiting
-            "num_chunked_prefill_reqs": 0 if self.prefill.chunked_req is None else 1,
-            **self.cache.stats(),
-            "radix_cache": self.radix_cache_enabled,
-            "invariant_error": self.invariant_error,
-            "token_usage": self.cache.token_usage(),
-            "new_token_ratio": self.ratio.value,
-            "total_retractions": self.decode.total_retractions,
-            "enable_mixed_chunk": self.args.enable_mixed_chunk,
-            "num_mixed_steps": self.decode.num_mixed_steps,
-            "batch_utilisation": self.output.utilisation(),
-            "useful_row_steps": self.output.useful_row_steps,
-            "total_row_steps": self.output.total_row_steps,
-        }

@@ -12,8 +12,9 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from common.messages import TokenizedGenerateReq
-from tokenizer_proc.errors import BadRequestError, ServiceUnavailableError
+from common.messages import FinishMatchedStr, TokenizedGenerateReq
+from tokenizer_proc.errors import BadRequestError
+from tokenizer_proc.finish_json import refusal_error
 from tokenizer_proc.manager import DuplicateRidError, ReqState, TokenizerManager
 from tokenizer_proc.request_output import RequestOutput
 from tokenizer_proc.request_spec import RequestSpec
@@ -72,8 +73,10 @@ class Generation:
                 out = self.outputs[k]
                 # finished here: free its KV now; the scheduler records a stop
                 # (a stop string or regex) or an abort (a stop regex that timed out)
-                if out.stopped_here:
-                    self.manager.abort(out.state, stop_matched=out.finish_reason.get("matched"))
+                if out.stopped_here and isinstance(out.finish_reason, FinishMatchedStr):
+                    self.manager.stop(out.state, out.finish_reason.text)
+                elif out.stopped_here:
+                    self.manager.abort(out.state)
             if changed:
                 yield changed
 
@@ -90,13 +93,9 @@ class Generation:
         status: 503 (the queue is full) or 400 (it can never run here, e.g. it
         cannot fit the KV pool even alone)."""
         for out in self.outputs:
-            reason = out.state.finish_reason or {}
-            if out.state.output_ids:
-                continue
-            if reason.get("status_code") == 503:
-                raise ServiceUnavailableError(reason.get("message", "the server is overloaded"))
-            if reason.get("status_code") == 400:
-                raise BadRequestError(reason.get("message", "the request cannot run"))
+            error = None if out.state.output_ids else refusal_error(out.state.finish_reason)
+            if error is not None:
+                raise error
 
     async def wait(self) -> None:
         async for _ in self.updates():

@@ -10,7 +10,8 @@ Several requests may share one wake-up event: an HTTP request that fans out
 (n samples, a list of prompts) then sleeps on one event for all of them.
 
 Questions for the scheduler (`query_scheduler`: its live state, a cache
-flush) go over the same sockets and are matched to their replies by id.
+flush, its timeline) go over the same sockets and are matched to their
+replies by id.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import zmq
 import zmq.asyncio
 
 from common.ipc import AsyncPullSocket, PushSocket
-from common.messages import (AbortReq, BatchTokenOut, IpcPaths, SchedulerQuery, SchedulerReply,
-                             TokenizedGenerateReq, ToTokenizerMsg)
+from common.messages import (AbortKind, AbortReq, BatchTokenOut, FinishAbort, FinishReason, FlushCacheQuery, IpcPaths,
+                             SchedulerReply, StateQuery, StopMatchedReq, TimelineQuery, TokenizedGenerateReq,
+                             ToTokenizerMsg)
 from tokenizer_proc.errors import ServiceUnavailableError
 from tokenizer_proc.metrics import ServerMetrics
 
@@ -45,7 +47,7 @@ class ReqState:
     prompt_tokens: int
     arrival: float  # time.perf_counter() when the HTTP request came in
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
     num_retractions: int = 0
@@ -84,9 +86,9 @@ class TokenizerManager:
             self.actx, ipc.tokenizer_input, ToTokenizerMsg, bind=True)
         self.states: dict[str, ReqState] = {}
         self.queries: dict[str, asyncio.Future[SchedulerReply]] = {}
-        # aborts the scheduler's queue refused, by rid: retried until sent (or
-        # the request finished anyway), so a freed client never leaves its KV held
-        self.pending_aborts: dict[str, AbortReq] = {}
+        # aborts (and stops) the scheduler's queue refused, by rid: retried until
+        # sent (or the request finished anyway), so a freed client never leaves its KV held
+        self.pending_aborts: dict[str, AbortReq | StopMatchedReq] = {}
         self._retry_task: asyncio.Task[None] | None = None
         self.metrics = ServerMetrics()
         self._loop_task: asyncio.Task[None] | None = None
@@ -128,16 +130,22 @@ class TokenizerManager:
             raise
         return state
 
-    def abort(self, state: ReqState, stop_matched: str | None = None) -> None:
-        """Asks the scheduler to drop the request (its KV is freed at once), or,
-        with `stop_matched`, to end it as stopped by that stop string. The
+    def abort(self, state: ReqState) -> None:
+        """Asks the scheduler to drop the request (its KV is freed at once). The
         state stays registered until the scheduler's final row arrives."""
         if state.finished or state.abort_sent:
             return
+        logger.info("abort request %s", state.rid)
+        self._end(state, AbortReq(rid=state.rid))
+
+    def stop(self, state: ReqState, matched: str) -> None:
+        """Tells the scheduler the request stopped on the stop string `matched`
+        (found here, in the text), so it ends it as a stop."""
+        if not (state.finished or state.abort_sent):
+            self._end(state, StopMatchedReq(rid=state.rid, matched=matched))
+
+    def _end(self, state: ReqState, msg: AbortReq | StopMatchedReq) -> None:
         state.abort_sent = True
-        if stop_matched is None:
-            logger.info("abort request %s", state.rid)
-        msg = AbortReq(rid=state.rid, stop_matched=stop_matched)
         try:
             self.to_scheduler.send(msg, block=False)
         except zmq.Again:
@@ -182,20 +190,20 @@ class TokenizerManager:
         """Ends every request in flight at once (server shutdown: the scheduler
         is stopping too), so their clients get an answer instead of a hang."""
         for state in list(self.states.values()):
-            state.finish_reason = {"type": "abort", "message": message}
+            state.finish_reason = FinishAbort(AbortKind.SHUTDOWN, message)
             state.event.set()
         self.states.clear()
 
-    async def query_scheduler(self, kind: str, timeout: float = 5.0, since: float = 0.0,
-                              after_seq: int = 0, limit: int = 0) -> SchedulerReply:
-        """Ask the scheduler; raises asyncio.TimeoutError if it does not answer."""
+    async def query_scheduler(self, query: type[StateQuery] | type[FlushCacheQuery] | type[TimelineQuery], timeout: float = 5.0,
+                              **fields: Any) -> SchedulerReply:
+        """Ask the scheduler `query(query_id, **fields)`; raises
+        asyncio.TimeoutError if it does not answer."""
         query_id = uuid.uuid4().hex
         future: asyncio.Future[SchedulerReply] = asyncio.get_running_loop().create_future()
         self.queries[query_id] = future
         try:
             try:
-                self.to_scheduler.send(SchedulerQuery(query_id=query_id, kind=kind, since=since,
-                                                      after_seq=after_seq, limit=limit), block=False)
+                self.to_scheduler.send(query(query_id=query_id, **fields), block=False)
             except zmq.Again:
                 raise asyncio.TimeoutError("the scheduler is not taking messages") from None
             return await asyncio.wait_for(future, timeout)
@@ -243,6 +251,6 @@ class TokenizerManager:
                 del self.states[rid]
                 self.metrics.observe_finished(
                     prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens,
-                    cached_tokens=state.cached_tokens, finish_type=str(state.finish_reason.get("type")), arrival=state.arrival_wall,
+                    cached_tokens=state.cached_tokens, finish_type=state.finish_reason.type, arrival=state.arrival_wall,
                     first_token=state.first_token_wall, finished=time.time())
             state.event.set()

@@ -15,15 +15,16 @@ from typing import Any
 
 from aiohttp import web
 
+from common.messages import FinishAbort
 from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, SERVER_ARGS, TOKENIZER, TOKENIZER_POOL
-from tokenizer_proc.errors import BadRequestError, ServiceUnavailableError, json_response
+from tokenizer_proc.errors import json_response
+from tokenizer_proc.finish_json import abort_error, matched
 from tokenizer_proc.generation import Generation
 from tokenizer_proc.grammar import check_grammars
 from tokenizer_proc.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from tokenizer_proc.middlewares import read_body
 from tokenizer_proc.openai_protocol import OpenAIInput, check_chat_request, check_completion_request
 from tokenizer_proc.request_output import RequestOutput
-from tokenizer_proc.shutdown import SHUTTING_DOWN
 from tokenizer_proc.sse import stream_events
 from tokenizer_proc.validation import parse_json_object
 
@@ -82,16 +83,12 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
 
 
 def finish_reason(out: RequestOutput) -> str:
-    reason = out.finish_reason or {}
-    if reason.get("type") == "stop":
-        return "stop"
-    if reason.get("type") == "length":
-        return "length"
-    message = reason.get("message", "")
-    # the scheduler's queue is full, or the server stopped before the request could finish
-    if reason.get("status_code") == 503 or message.startswith(SHUTTING_DOWN):
-        raise ServiceUnavailableError(message or "the server is overloaded")
-    raise BadRequestError(f"the request was aborted: {reason.get('message', 'unknown reason')}")
+    """"stop" or "length"; an abort is the answer's error."""
+    reason = out.finish_reason
+    if isinstance(reason, FinishAbort):
+        raise abort_error(reason)
+    assert reason is not None, "the output is not finished"
+    return reason.type
 
 
 class Shaper:
@@ -162,7 +159,7 @@ class Shaper:
 
 def _matched_stop(out: RequestOutput) -> Any:
     """SGLang's extra: the stop string or token id that ended the choice."""
-    return (out.finish_reason or {}).get("matched")
+    return matched(out.finish_reason)
 
 
 class CompletionShaper(Shaper):

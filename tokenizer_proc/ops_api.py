@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from common.messages import SamplingParams, TokenizedGenerateReq
+from common.messages import FinishAbort, FlushCacheQuery, SamplingParams, StateQuery, TimelineQuery, TokenizedGenerateReq
 from tokenizer_proc.app_keys import HEALTH_GENERATE_TIMEOUT, MANAGER, MODEL_INFO, SERVER_ARGS, TOKENIZER
 from tokenizer_proc.errors import BadRequestError, ServiceUnavailableError, json_response
 from tokenizer_proc.generation import Generation
@@ -34,7 +34,7 @@ SCHEDULER_QUERY_TIMEOUT = 5.0  # seconds
 def scheduler_state_getter(app: web.Application) -> Callable[[], Awaitable[dict[str, Any] | None]]:
     async def get() -> dict[str, Any] | None:
         try:
-            reply = await app[MANAGER].query_scheduler("state", SCHEDULER_QUERY_TIMEOUT)
+            reply = await app[MANAGER].query_scheduler(StateQuery, SCHEDULER_QUERY_TIMEOUT)
         except asyncio.TimeoutError:
             return None
         return reply.data
@@ -62,9 +62,9 @@ async def health_generate(request: web.Request) -> web.Response:
         raise ServiceUnavailableError(f"the engine did not answer within {timeout:g} s") from None
     finally:
         gen.abort()
-    reason = gen.outputs[0].finish_reason or {}
-    if reason.get("type") == "abort":
-        raise ServiceUnavailableError(f"the health check request was aborted: {reason.get('message')}")
+    reason = gen.outputs[0].finish_reason
+    if isinstance(reason, FinishAbort):
+        raise ServiceUnavailableError(f"the health check request was aborted: {reason.message}")
     return json_response({})
 
 
@@ -101,7 +101,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     scheduler's admission estimate; like SGLang, it is refused (400) while
     requests run or wait."""
     try:
-        reply = await request.app[MANAGER].query_scheduler("flush_cache", SCHEDULER_QUERY_TIMEOUT)
+        reply = await request.app[MANAGER].query_scheduler(FlushCacheQuery, SCHEDULER_QUERY_TIMEOUT)
     except asyncio.TimeoutError:
         raise ServiceUnavailableError("the scheduler did not answer") from None
     if not reply.ok:
@@ -130,7 +130,7 @@ async def timeline(request: web.Request) -> web.Response:
             raise BadRequestError(f"{name} must be a non-negative integer")
         cursor[name] = int(raw)
     try:
-        reply = await request.app[MANAGER].query_scheduler("timeline", SCHEDULER_QUERY_TIMEOUT,
+        reply = await request.app[MANAGER].query_scheduler(TimelineQuery, SCHEDULER_QUERY_TIMEOUT,
                                                            since=since, **cursor)
     except asyncio.TimeoutError:
         raise ServiceUnavailableError("the scheduler did not answer") from None

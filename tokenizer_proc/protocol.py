@@ -17,7 +17,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.messages import MAX_LOGIT_BIAS, SamplingParams, TokenizedGenerateReq
+from common.messages import SamplingParams, TokenizedGenerateReq
+from common.sampling_rules import MAX_LOGIT_BIAS, sampling_error
+from common.sampling_rules import MAX_SEED as MAX_SEED_OF_A_SAMPLE
 from tokenizer_proc.errors import BadRequestError
 from tokenizer_proc.grammar import grammar_from_fields
 from tokenizer_proc.request_spec import RequestSpec, fan_out_rids, seed_for_sample
@@ -32,11 +34,7 @@ __all__ = ["BadRequestError", "GenerateInput", "PendingGenerate", "SamplingInput
            "check_fits_context", "check_prompt_id_count", "check_prompt_text", "encode_prompts"]
 
 MAX_N = 128  # samples of one prompt
-# Bounds that keep every value inside the int64 tensors of the scheduler and the
-# model (sample k of n gets seed + k, so a seed leaves room for that).
-MAX_TOP_K = 2**31 - 1
-MAX_SEED = 2**63 - 1 - MAX_N
-MAX_TOKEN_ID = 2**31 - 1
+MAX_SEED = MAX_SEED_OF_A_SAMPLE - MAX_N  # sample k of n gets seed + k: a seed leaves room for that
 MAX_OUTPUTS = 1024  # requests one body may fan out into
 MAX_TOP_LOGPROBS = 100
 
@@ -111,43 +109,13 @@ def parse_sampling_params(obj: Any, vocab_size: int | None = None) -> SamplingIn
 
 def validate_sampling_params(sp: SamplingParams, prefix: str = "", vocab_size: int | None = None,
                              names: dict[str, str] | None = None) -> None:
-    """Range checks; `prefix` and `names` name the fields as the client spelled them."""
-    def name(field: str) -> str:
-        return prefix + (names or {}).get(field, field)
-
-    if sp.max_new_tokens < 1:
-        raise BadRequestError(f"{name('max_new_tokens')} must be >= 1")
-    if sp.temperature < 0:
-        raise BadRequestError(f"{prefix}temperature must be >= 0")
-    if not 0 < sp.top_p <= 1:
-        raise BadRequestError(f"{prefix}top_p must be in (0, 1]")
-    if not -1 <= sp.top_k <= MAX_TOP_K:
-        raise BadRequestError(f"{prefix}top_k must be -1 or 0 (both: off), or in [1, {MAX_TOP_K}]")
-    if sp.seed is not None and not 0 <= sp.seed <= MAX_SEED:
-        raise BadRequestError(f"{prefix}seed must be in [0, {MAX_SEED}]")
+    """Range checks (common/sampling_rules.py); `prefix` and `names` name the
+    fields as the client spelled them."""
+    error = sampling_error(sp, vocab_size, prefix, names, max_seed=MAX_SEED)
+    if error is not None:
+        raise BadRequestError(error)
     if sp.top_k == 0:
         sp.top_k = -1  # 0 also means "off"
-    if not 0 <= sp.min_p <= 1:
-        raise BadRequestError(f"{prefix}min_p must be in [0, 1]")
-    if any(not 0 <= i <= MAX_TOKEN_ID for i in sp.stop_token_ids):
-        raise BadRequestError(f"{prefix}stop_token_ids must be in [0, {MAX_TOKEN_ID}]")
-    for field in ("frequency_penalty", "presence_penalty"):
-        if not -2 <= getattr(sp, field) <= 2:
-            raise BadRequestError(f"{prefix}{field} must be in [-2, 2]")
-    if not 0 < sp.repetition_penalty <= 2:
-        raise BadRequestError(f"{prefix}repetition_penalty must be in (0, 2] (1 is no penalty)")
-    if not 0 <= sp.min_new_tokens <= sp.max_new_tokens:
-        max_name = (names or {}).get("max_new_tokens", "max_new_tokens")
-        raise BadRequestError(f"{name('min_new_tokens')} must be in [0, {max_name}] "
-                              f"(here [0, {sp.max_new_tokens}])")
-    if sp.grammar is not None and sp.min_new_tokens > 0:
-        # the grammar may allow only the stop token, which min_new_tokens forbids
-        raise BadRequestError(f"{name('min_new_tokens')} cannot be combined with a grammar "
-                              "(json_schema, regex, ebnf, response_format)")
-    if vocab_size is not None and any(not 0 <= t < vocab_size for t in sp.logit_bias):
-        raise BadRequestError(f"{prefix}logit_bias: token ids must be in [0, {vocab_size})")
-    if sp.stream_interval is not None and not 1 <= sp.stream_interval <= MAX_TOKEN_ID:
-        raise BadRequestError(f"{prefix}stream_interval must be in [1, {MAX_TOKEN_ID}]")
 
 
 def check_prompt_ids(ids: list[int], vocab_size: int) -> list[int]:

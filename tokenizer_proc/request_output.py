@@ -7,8 +7,9 @@ handler (`update()` after each wake-up), so a failure here fails that one
 request and nothing else.
 
 When a stop string (or stop regex) matches, the output is finished here,
-before the scheduler knows; the caller then aborts the scheduler request (to
-free its KV) and the scheduler's later abort row is never read. With
+before the scheduler knows; the caller then tells the scheduler (a
+StopMatchedReq, which frees its KV) and the scheduler's later final row is
+never read. With
 `no_stop_trim` the matched stop string, or the text of a matched stop token,
 stays in the text (SGLang's).
 """
@@ -18,18 +19,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from common.messages import AbortKind, FinishAbort, FinishMatchedStr, FinishMatchedToken, FinishReason
 from tokenizer_proc.detokenizer import IncrementalDetokenizer
+from tokenizer_proc.finish_json import finish_json
 from tokenizer_proc.manager import ReqState
 from tokenizer_proc.request_spec import RequestSpec
 from tokenizer_proc.stop_strings import StopRegexTimeout, StopStringMatcher
 from tokenizer_proc.tokenizer import Tokenizer
 
 
-def matched_stop_token(reason: dict[str, Any] | None, ids: list[int]) -> bool:
+def matched_stop_token(reason: FinishReason | None, ids: list[int]) -> bool:
     """The scheduler stopped on a stop token (EOS or stop_token_ids) that ends
     `ids`: that token is an output id but not part of the text."""
-    return bool(reason and reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
-                and ids and ids[-1] == reason["matched"])
+    return isinstance(reason, FinishMatchedToken) and bool(ids) and ids[-1] == reason.token
 
 
 class RequestOutput:
@@ -47,7 +49,7 @@ class RequestOutput:
         self.text_len = 0
         self.token_logprobs: list[float] = []  # aligned with ids when asked for
         self.top_logprobs: list[list[tuple[float, int]]] = []
-        self.finish_reason: dict[str, Any] | None = None
+        self.finish_reason: FinishReason | None = None
         self.stopped_here = False  # finished here (a stop string), before the scheduler knew
 
     @property
@@ -128,12 +130,12 @@ class RequestOutput:
         try:
             self._append(self.matcher.feed(delta))
         except StopRegexTimeout as e:  # this request ends, with the reason
-            self.finish_reason = {"type": "abort", "message": str(e)}
+            self.finish_reason = FinishAbort(AbortKind.SERVER_ERROR, str(e))
             self.stopped_here = True
             return True
         if self.matcher.matched is None:
             return False
-        self.finish_reason = {"type": "stop", "matched": self.matcher.matched}
+        self.finish_reason = FinishMatchedStr(self.matcher.matched)
         self.stopped_here = True
         return True
 
@@ -146,6 +148,6 @@ class RequestOutput:
             "cached_tokens": st.cached_tokens,
             "num_retractions": st.num_retractions,
             "queue_time": st.queue_time,
-            "finish_reason": self.finish_reason,
+            "finish_reason": finish_json(self.finish_reason),
             "e2e_latency": time.perf_counter() - st.arrival,
         }

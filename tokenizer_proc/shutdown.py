@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from common.messages import AbortKind, FinishAbort
 from common.peer_watch import POLL_S, PeerWatch
 from tokenizer_proc.errors import error_response
 from tokenizer_proc.manager import TokenizerManager
@@ -38,7 +39,7 @@ ANSWER_GRACE_S = 2.0  # how long handlers get to write their final answers
 TICK_S = 0.05
 
 
-def end_all(manager: TokenizerManager, reason: dict[str, Any], tell_scheduler: bool) -> int:
+def end_all(manager: TokenizerManager, reason: FinishAbort, tell_scheduler: bool) -> int:
     """Finishes every request in flight with `reason` and wakes its handler;
     returns how many. The scheduler's late rows for them are then dropped (the
     manager forgets them). `tell_scheduler`: also send it an abort, so it frees
@@ -48,7 +49,7 @@ def end_all(manager: TokenizerManager, reason: dict[str, Any], tell_scheduler: b
     for state in states:
         if tell_scheduler:
             manager.abort(state)
-        state.finish_reason = dict(reason)
+        state.finish_reason = reason
         state.event.set()
     manager.states.clear()
     return len(states)
@@ -149,8 +150,8 @@ class Shutdown:
         manager = self.get_manager()
         if manager is None:
             return 0
-        return end_all(manager, {"type": "abort", "message": f"{SHUTTING_DOWN}: {self.failed}",
-                                 "status_code": 503}, tell_scheduler=False)
+        return end_all(manager, FinishAbort(AbortKind.SERVER_DOWN, f"{SHUTTING_DOWN}: {self.failed}"),
+                       tell_scheduler=False)
 
     def _end_all_timed_out(self) -> int:
         manager = self.get_manager()
@@ -158,4 +159,4 @@ class Shutdown:
             return 0
         message = (f"{SHUTTING_DOWN}: still running when --shutdown-timeout "
                    f"({self.shutdown_timeout:g} s) ran out")
-        return end_all(manager, {"type": "abort", "message": message}, tell_scheduler=True)
+        return end_all(manager, FinishAbort(AbortKind.SHUTDOWN, message), tell_scheduler=True)

@@ -84,7 +84,7 @@ def target_alone_and_busy(model_dir: str, **engine_args):
 
 def test_greedy_output_does_not_depend_on_what_runs_beside_it(tiny_llama_dir):
     a, b = target_alone_and_busy(tiny_llama_dir)
-    assert a.finished_reason == b.finished_reason
+    assert a.finish == b.finish
     pos = greedy_parting(a.output_ids, top_ids(a), b.output_ids, top_ids(b))
     assert pos is None, f"parted at a near-tie at position {pos}: pick another seed"
     assert a.output_ids == b.output_ids
@@ -103,7 +103,7 @@ def test_seeded_sampled_requests_repeat_on_the_same_trace(tiny_llama_dir):
     assert len(sampled) == 6
     for rid, req in first.reqs.items():
         assert req.output_ids == second.reqs[rid].output_ids, rid
-        assert req.finished_reason == second.reqs[rid].finished_reason, rid
+        assert req.finish == second.reqs[rid].finish, rid
 
 
 def test_deterministic_flag_gives_the_same_bits_whatever_runs_beside_it(tiny_llama_dir):

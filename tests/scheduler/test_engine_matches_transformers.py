@@ -15,6 +15,7 @@ from model_proc.runner import ModelRunner
 from scheduler_proc.scheduler import Scheduler
 from tests.helpers import greedy_parting, hf_greedy_with_top, load_hf
 from tests.scheduler.test_scheduler import assert_no_leak
+from tokenizer_proc.finish_json import finish_json
 
 MODES = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
 # transformers' reference outputs, computed once for both modes
@@ -68,7 +69,7 @@ def check_against_transformers(engine: Engine, model_dir: str, arrivals) -> list
     for reqs in arrivals.values():
         for rid, prompt, n in reqs:
             req = engine.reqs[rid]
-            assert req.finished_reason == {"type": "length", "length": n}
+            assert finish_json(req.finish) == {"type": "length", "length": n}
             assert len(req.output_ids) == len(req.output_token_logprobs) == n
             ours_top = [[tok for _, tok in top] for top in req.output_top_logprobs]
             key = (model_dir, tuple(prompt), n)

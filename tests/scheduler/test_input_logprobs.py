@@ -13,6 +13,7 @@ import torch
 from common.messages import BatchTokenOut, SamplingParams, TokenizedGenerateReq
 from tests.helpers import load_hf
 from tests.scheduler.test_engine_matches_transformers import Engine
+from tokenizer_proc.finish_json import finish_json
 
 MODES = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
 _HF: dict[str, object] = {}
@@ -135,7 +136,7 @@ def test_retracted_requests_return_each_prompt_position_once(tiny_llama_dir, ove
 def test_logprob_start_len_at_or_past_the_prompt_is_refused(tiny_llama_dir):
     engine = Engine(tiny_llama_dir, max_running_requests=2, max_total_tokens=256)
     _submit(engine, "past", [5, 6, 7], 3)
-    reason = engine.outputs[-1].finished_reasons[0]
+    reason = finish_json(engine.outputs[-1].finished_reasons[0])
     assert reason["type"] == "abort" and reason["status_code"] == 400
     assert "logprob_start_len" in reason["message"]
 

@@ -9,13 +9,14 @@ import pytest
 
 from common.messages import FUTURE_TOKEN
 from common.server_args import ServerArgs
+from scheduler_proc.queries import scheduler_state
 from tests.scheduler.test_overlap_schedule import random_load, streamed
 from tests.scheduler.test_penalty_scheduling import prompt, run_penalty_load
 from tests.scheduler.test_scheduler import Harness, expected_tokens
 
 
 def mixed_steps(h: Harness) -> int:
-    return h.sched.state()["num_mixed_steps"]
+    return scheduler_state(h.sched)["num_mixed_steps"]
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])

@@ -16,6 +16,7 @@ from scheduler_proc.scheduler import Scheduler
 from tests.scheduler.fake_model import FakeModel, fake_model_info
 from tests.scheduler.test_engine_matches_transformers import Engine
 from tests.scheduler.test_scheduler import Harness, expected_tokens
+from tokenizer_proc.finish_json import finish_json
 
 
 def streamed(outputs: list[BatchTokenOut]) -> dict[str, tuple[list[int], dict]]:
@@ -28,7 +29,7 @@ def streamed(outputs: list[BatchTokenOut]) -> dict[str, tuple[list[int], dict]]:
             assert rid not in finals, f"{rid}: output after its finish"
             tokens.setdefault(rid, []).extend(new)
             if reason is not None:
-                finals[rid] = reason
+                finals[rid] = finish_json(reason)  # as the client sees it
     assert set(finals) == set(tokens)
     return {rid: (tokens[rid], finals[rid]) for rid in tokens}
 
@@ -258,13 +259,13 @@ def test_tiny_model_greedy_outputs_and_logprobs_are_identical_with_overlap_on_an
     for rid, req in off.reqs.items():
         other = on.reqs[rid]
         assert other.output_ids == req.output_ids, rid
-        assert other.finished_reason == req.finished_reason, rid
+        assert other.finish == req.finish, rid
         assert other.output_token_logprobs == pytest.approx(req.output_token_logprobs, abs=1e-4)
         assert [[t for _, t in top] for top in other.output_top_logprobs] == \
             [[t for _, t in top] for top in req.output_top_logprobs]
     for rid in ("a", "e", "c", "g"):
-        assert off.reqs[rid].finished_reason["type"] == "stop", rid
-    assert off.reqs["b"].finished_reason == {"type": "length", "length": 20}
+        assert finish_json(off.reqs[rid].finish)["type"] == "stop", rid
+    assert finish_json(off.reqs["b"].finish) == {"type": "length", "length": 20}
     assert streamed(on.outputs) == streamed(off.outputs)
 
 

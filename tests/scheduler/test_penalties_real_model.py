@@ -17,6 +17,7 @@ import torch
 from common.messages import SamplingParams, TokenizedGenerateReq
 from tests.helpers import hf_last_logits, load_hf
 from tests.scheduler.test_engine_matches_transformers import Engine
+from tokenizer_proc.finish_json import finish_json
 
 EOS = 2  # the tiny model's
 MODES = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
@@ -119,10 +120,10 @@ def test_min_new_tokens_holds_back_a_forced_eos_and_stop_token_exactly_that_long
     assert out["eos-now"].output_ids == [EOS]
     assert len(out["eos-after-5"].output_ids) == 6 and out["eos-after-5"].output_ids[-1] == EOS
     assert EOS not in out["eos-after-5"].output_ids[:5]
-    assert out["eos-after-5"].finished_reason == {"type": "stop", "matched": EOS}
+    assert finish_json(out["eos-after-5"].finish) == {"type": "stop", "matched": EOS}
     assert len(out["stop-id-after-3"].output_ids) == 4
-    assert out["stop-id-after-3"].finished_reason == {"type": "stop", "matched": 9}
-    assert out["min-equals-max"].finished_reason == {"type": "length", "length": 4}
+    assert finish_json(out["stop-id-after-3"].finish) == {"type": "stop", "matched": 9}
+    assert finish_json(out["min-equals-max"].finish) == {"type": "length", "length": 4}
     assert EOS not in out["min-equals-max"].output_ids
     for rid, p, sp in reqs:
         assert out[rid].output_ids == reference(tiny_llama_dir, p, sp), rid

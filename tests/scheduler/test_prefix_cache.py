@@ -9,11 +9,12 @@ import random
 
 import pytest
 
-from common.messages import AbortReq, BatchTokenOut, SamplingParams, SchedulerQuery, TokenizedGenerateReq
+from common.messages import AbortReq, BatchTokenOut, FlushCacheQuery, SamplingParams, StateQuery, TokenizedGenerateReq
 from common.server_args import ServerArgs
 from scheduler_proc.create import create_scheduler
 from tests.scheduler.fake_model import FakeModel, fake_model_info
 from tests.scheduler.test_scheduler import MODES, assert_no_leak
+from tokenizer_proc.finish_json import finish_json
 
 
 class CacheHarness:
@@ -58,7 +59,7 @@ class CacheHarness:
     def state(self) -> dict:
         replies: list = []
         send, self.sched.send_output = self.sched.send_output, replies.append
-        self.sched.process_input_requests([SchedulerQuery(query_id="q", kind="state")])
+        self.sched.process_input_requests([StateQuery(query_id="q")])
         self.sched.send_output = send
         return replies[0].data
 
@@ -130,13 +131,13 @@ def test_flush_cache_empties_the_tree_and_is_refused_while_requests_run():
     h.step()
     replies: list = []
     h.sched.send_output = replies.append
-    h.sched.process_input_requests([SchedulerQuery(query_id="busy", kind="flush_cache")])
+    h.sched.process_input_requests([FlushCacheQuery(query_id="busy")])
     assert not replies[-1].ok
     h.run_until_idle()
     h.sched.send_output = h.outputs.append
     assert h.state()["evictable_kv_slots"] == 66  # 64 prompt tokens + 2 of the 3 output tokens
     h.sched.send_output = replies.append
-    h.sched.process_input_requests([SchedulerQuery(query_id="idle", kind="flush_cache")])
+    h.sched.process_input_requests([FlushCacheQuery(query_id="idle")])
     assert replies[-1].ok
     h.sched.send_output = h.outputs.append
     state = h.state()
@@ -256,7 +257,7 @@ def test_random_shared_prefix_loads_give_the_outputs_of_a_run_without_cache(over
             step += 1
             assert step < 20_000, f"seed {seed}: never went idle"
         for _, rid, *_ in load:
-            reason = h.field(rid, "finished_reasons")
+            reason = finish_json(h.field(rid, "finished_reasons"))
             want = ref.tokens(rid)
             if reason["type"] == "abort":
                 assert want[:len(h.tokens(rid))] == h.tokens(rid), f"seed {seed}, {rid}"

@@ -10,6 +10,7 @@ import pytest
 
 from tests.helpers import greedy_parting
 from tests.scheduler.test_engine_matches_transformers import Engine
+from tokenizer_proc.finish_json import finish_json
 
 
 def run_load(model_dir: str, reqs, **args) -> Engine:
@@ -40,12 +41,12 @@ def test_overcommitted_pool_retracts_and_every_output_equals_the_big_pool_run(ti
     partings = []
     for rid, _, _ in reqs:
         a, b = small.reqs[rid], big.reqs[rid]
-        assert a.finished_reason["type"] in ("stop", "length")
+        assert finish_json(a.finish)["type"] in ("stop", "length")
         n = min(len(a.output_ids), len(b.output_ids))
         pos = greedy_parting(a.output_ids[:n], [[t for _, t in top] for top in a.output_top_logprobs],
                              b.output_ids[:n], [[t for _, t in top] for top in b.output_top_logprobs])
         if pos is None:
-            assert a.output_ids == b.output_ids and a.finished_reason == b.finished_reason
+            assert a.output_ids == b.output_ids and a.finish == b.finish
         else:
             partings.append((rid, pos))
     assert not partings, partings  # wide random weights: no near-ties expected

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from common.messages import SamplingParams
+from common.messages import AbortKind, SamplingParams
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.memory import PageAllocator
 from scheduler_proc.req import Req
@@ -47,7 +47,7 @@ def test_filter_batch_gathers_the_live_rows_of_every_tensor():
     reqs = [make_req("a", 3, 0.5, 11), make_req("b", 5, 0.7, None), make_req("c", 2, 0.9, 13)]
     batch = prefilled_batch(reqs, cache)
     before = {name: getattr(batch, name).clone() for name in ROW_FIELDS}
-    reqs[1].abort("gone")
+    reqs[1].abort(AbortKind.CLIENT_GONE, "gone")
     batch.filter_batch()
     assert [r.rid for r in batch.reqs] == ["a", "c"]
     for name in ROW_FIELDS:

@@ -4,11 +4,13 @@ import logging
 
 import pytest
 
-from common.messages import AbortReq, BatchTokenOut, SamplingParams, TokenizedGenerateReq
+from common.messages import AbortReq, BatchTokenOut, SamplingParams, StopMatchedReq, TokenizedGenerateReq
 from common.server_args import ServerArgs
 from scheduler_proc.create import create_scheduler
+from scheduler_proc.queries import scheduler_state
 from scheduler_proc.scheduler import Scheduler
 from tests.scheduler.fake_model import EOS, FakeModel, fake_model_info, next_token
+from tokenizer_proc.finish_json import finish_json
 
 
 class Harness:
@@ -47,7 +49,7 @@ class Harness:
             for i, rid in enumerate(msg.rids):
                 if msg.finished_reasons[i] is not None:
                     assert rid not in out, f"{rid} finished twice"
-                    out[rid] = (msg.finished_reasons[i], msg.completion_tokens[i])
+                    out[rid] = (finish_json(msg.finished_reasons[i]), msg.completion_tokens[i])
         return out
 
     def tokens(self, rid: str) -> list[int]:
@@ -207,7 +209,7 @@ def test_a_stop_string_matched_by_the_tokenizer_finishes_as_a_stop_not_an_abort(
     h.submit("a", n_prompt=10, max_new=100)
     h.sched.step()
     h.sched.step()
-    h.sched.process_input_requests([AbortReq(rid="a", stop_matched=" the end")])
+    h.sched.process_input_requests([StopMatchedReq(rid="a", matched=" the end")])
     assert h.sched.cache.available() == h.sched.cache.size and not h.sched.cache.resident
     assert h.finals()["a"][0] == {"type": "stop", "matched": " the end"}
     h.run_until_idle()
@@ -265,11 +267,11 @@ def test_state_counts_the_request_in_chunked_prefill():
     h = Harness(chunked_prefill_size=16, disable_overlap_schedule=True)
     h.submit("long", n_prompt=50, max_new=3)
     h.sched.step()  # the first 16-token chunk
-    state = h.sched.state()
+    state = scheduler_state(h.sched)
     assert (state["num_running_reqs"], state["num_waiting_reqs"], state["num_chunked_prefill_reqs"]) == (0, 0, 1)
     assert state["free_kv_slots"] == state["total_kv_slots"] - 16
     h.run_until_idle()
-    assert h.sched.state()["num_chunked_prefill_reqs"] == 0
+    assert scheduler_state(h.sched)["num_chunked_prefill_reqs"] == 0
     h.assert_no_leak()
 
 

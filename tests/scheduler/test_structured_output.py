@@ -18,7 +18,9 @@ import regex
 
 from common.messages import Grammar, GrammarKind, SamplingParams, TokenizedGenerateReq
 from scheduler_proc.grammar import GrammarBackend
+from scheduler_proc.queries import scheduler_state
 from tests.scheduler.test_engine_matches_transformers import Engine
+from tokenizer_proc.finish_json import finish_json
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
@@ -104,7 +106,7 @@ def test_random_json_schemas_always_give_valid_json_in_a_busy_batch_with_retract
     for rid, _, sp in reqs:
         req = out[rid]
         text = chat.decode(req.output_ids)
-        assert req.finished_reason["type"] == "stop", (rid, req.finished_reason, text)
+        assert finish_json(req.finish)["type"] == "stop", (rid, finish_json(req.finish), text)
         doc = json.loads(text)
         jsonschema.validate(doc, json.loads(sp.grammar.text))
 
@@ -137,7 +139,7 @@ def test_regex_and_ebnf_outputs_match_in_full_and_overlap_changes_nothing(defaul
         for t in (0.0, 0.8):
             assert regex.fullmatch(pattern, texts[f"{name}-{t}"]), (name, t, texts[f"{name}-{t}"])
     assert regex.fullmatch(r"The answer is (cat|dog|fish)\.", texts["ebnf"]), texts["ebnf"]
-    assert out["free"].finished_reason == {"type": "length", "length": 12}  # unconstrained, beside them
+    assert finish_json(out["free"].finish) == {"type": "length", "length": 12}  # unconstrained, beside them
     # the same answers with and without overlap (greedy, and seeded sampling)
     key = tuple(sorted((rid, tuple(r.output_ids)) for rid, r in out.items()))
     if _OUTPUTS.setdefault("regex", key) != key:
@@ -170,13 +172,13 @@ def test_a_request_waiting_for_its_grammar_holds_up_nobody(default_model_dir, ch
         sched.step()
         if plain.finished:
             break
-    assert plain.finished_reason == {"type": "length", "length": 6}  # ran to the end meanwhile
+    assert finish_json(plain.finish) == {"type": "length", "length": 6}  # ran to the end meanwhile
     assert constrained in sched.queue.grammar_wait and not constrained.output_ids
-    assert not sched.is_idle() and sched.state()["num_grammar_queue_reqs"] == 1
+    assert not sched.is_idle() and scheduler_state(sched)["num_grammar_queue_reqs"] == 1
     gate.set()
     step_until_idle(engine)
     assert regex.fullmatch(r"[0-9]{4}", chat.decode(constrained.output_ids)), constrained.output_ids
-    assert constrained.finished_reason["type"] == "stop"  # ignore_eos: ended by the grammar
+    assert finish_json(constrained.finish)["type"] == "stop"  # ignore_eos: ended by the grammar
     engine.assert_no_leak()
 
 
@@ -187,7 +189,7 @@ def test_a_grammar_that_fails_to_compile_fails_only_its_request(default_model_di
     reqs = [("bad", chat("x"), SamplingParams(max_new_tokens=4, grammar=Grammar(GrammarKind.REGEX, "(unclosed"))),
             ("good", chat("x"), SamplingParams(max_new_tokens=4, temperature=0.0))]
     out = run_all(engine, reqs)
-    assert out["bad"].finished_reason["type"] == "abort"
-    assert out["bad"].finished_reason["status_code"] == 400
-    assert "invalid grammar" in out["bad"].finished_reason["message"]
-    assert out["good"].finished_reason == {"type": "length", "length": 4}
+    assert finish_json(out["bad"].finish)["type"] == "abort"
+    assert finish_json(out["bad"].finish)["status_code"] == 400
+    assert "invalid grammar" in finish_json(out["bad"].finish)["message"]
+    assert finish_json(out["good"].finish) == {"type": "length", "length": 4}

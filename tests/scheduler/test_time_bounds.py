@@ -12,7 +12,9 @@ import time
 import pytest
 
 from common.messages import SamplingParams, TokenizedGenerateReq
+from scheduler_proc.queries import scheduler_state
 from tests.scheduler.test_scheduler import MODES, Harness
+from tokenizer_proc.finish_json import finish_json
 
 DEADLINE = {"type": "abort", "message": "deadline exceeded"}
 QUEUE_TIMEOUT = {"type": "abort", "message": "request queue timeout", "status_code": 503}
@@ -114,7 +116,7 @@ def test_a_reused_rid_does_not_inherit_the_old_requests_deadline(clock):
     submit(h, "r", 10, 50)  # the same rid, no deadline
     clock[0] += 2.0
     h.run_until_idle()
-    assert [f for m in h.outputs for f in m.finished_reasons if f] == [
+    assert [finish_json(f) for m in h.outputs for f in m.finished_reasons if f] == [
         {"type": "length", "length": 3}, {"type": "length", "length": 50}]
     h.assert_no_leak()
 
@@ -124,7 +126,7 @@ def test_the_queue_is_bounded_by_default(clock):
 
     h = Harness(max_running=2, max_total_tokens=64 * 200, disable_overlap_schedule=True)
     limit = default_queue_limit(2, 64 * 200)
-    assert limit == 200 and h.sched.state()["max_queued_requests"] == 200
+    assert limit == 200 and scheduler_state(h.sched)["max_queued_requests"] == 200
     for i in range(limit + 5):
         submit(h, f"r{i}", 4, 2)
     refused = [rid for rid, (reason, _) in h.finals().items() if reason.get("status_code") == 503]

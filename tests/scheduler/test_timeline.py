@@ -74,19 +74,19 @@ def test_a_reader_pages_through_the_timeline_with_a_cursor():
 
 
 def test_timeline_query_returns_events_since_a_time():
-    from common.messages import SchedulerQuery
+    from common.messages import TimelineQuery
+    from scheduler_proc.queries import answer
 
     h = Harness()
     h.submit("a", n_prompt=3, max_new=3)
     h.run_until_idle()
     mid = h.sched.timeline.events[2]["t"]
-    reply = h.sched.answer_query(SchedulerQuery(query_id="q", kind="timeline", since=mid))
+    reply = answer(h.sched, TimelineQuery(query_id="q", since=mid))
     assert reply.ok and all(e["t"] > mid for e in reply.data["events"])
     assert reply.data["more"] is False and reply.data["next_seq"] == reply.data["events"][-1]["seq"]
-    first = h.sched.answer_query(SchedulerQuery(query_id="q", kind="timeline", limit=2)).data
+    first = answer(h.sched, TimelineQuery(query_id="q", limit=2)).data
     assert len(first["events"]) == 2 and first["more"]
-    rest = h.sched.answer_query(SchedulerQuery(query_id="q", kind="timeline",
-                                               after_seq=first["next_seq"])).data
+    rest = answer(h.sched, TimelineQuery(query_id="q", after_seq=first["next_seq"])).data
     assert [e["seq"] for e in first["events"] + rest["events"]] == \
         [e["seq"] for e in h.sched.timeline.events]
     assert reply.data["seq"] == h.sched.timeline.seq and reply.data["now"] >= mid

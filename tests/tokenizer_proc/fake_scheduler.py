@@ -3,7 +3,7 @@
 It binds `scheduler_input` and pushes to `tokenizer_input`, as the real one
 does, and answers each request with a fixed token script in small chunks.
 The rid picks the behaviour:
-  "hang..."  sends one chunk, then waits for an AbortReq and answers it;
+  "hang..."  sends one chunk, then waits for an AbortReq (or StopMatchedReq) and answers it;
   "slow..."  like the default, with longer pauses between chunks;
   otherwise  the script (cut to max_new_tokens) then EOS, in chunks of 3.
 An abort is answered by a final abort row at the next chunk, unless the
@@ -25,8 +25,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from common.messages import (AbortReq, BatchTokenOut, IpcPaths, SchedulerQuery, SchedulerReply,
-                             ToSchedulerMsg, TokenizedGenerateReq)
+from common.messages import (AbortKind, AbortReq, BatchTokenOut, FinishAbort, FinishLength, FinishMatchedToken,
+                             FinishReason, IpcPaths, SchedulerReply, StateQuery, StopMatchedReq, TimelineQuery,
+                             FlushCacheQuery, ToSchedulerMsg, TokenizedGenerateReq)
 
 
 FAKE_STATE = {"num_running_reqs": 1, "num_waiting_reqs": 2, "token_usage": 0.25,
@@ -57,6 +58,9 @@ class FakeScheduler:
     def aborts(self) -> list[str]:
         return [m.rid for m in self.received if isinstance(m, AbortReq)]
 
+    def stops(self) -> list[str]:
+        return [m.rid for m in self.received if isinstance(m, StopMatchedReq)]
+
     def requests(self) -> list[TokenizedGenerateReq]:
         return [m for m in self.received if isinstance(m, TokenizedGenerateReq)]
 
@@ -71,21 +75,21 @@ class FakeScheduler:
                 task = asyncio.create_task(self._serve(msg))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-            elif isinstance(msg, SchedulerQuery):
+            elif isinstance(msg, (StateQuery, FlushCacheQuery, TimelineQuery)):
                 if not self.silent:
                     await self.push.send(self._encoder.encode(self.answer(msg)))
             elif msg.rid in self._aborted:
                 self._aborted[msg.rid].set()
 
-    def answer(self, query: SchedulerQuery) -> SchedulerReply:
-        if query.kind == "state":
+    def answer(self, query: StateQuery | FlushCacheQuery | TimelineQuery) -> SchedulerReply:
+        if isinstance(query, StateQuery):
             return SchedulerReply(query_id=query.query_id, ok=True, data=dict(FAKE_STATE))
         busy = bool(self._tasks)  # like the real one: no flush while requests run
         return SchedulerReply(query_id=query.query_id, ok=not busy,
                               message="busy" if busy else "Cache flushed.")
 
     async def _send(self, req: TokenizedGenerateReq, new: list[int], done: int,
-                    reason: dict | None) -> None:
+                    reason: FinishReason | None) -> None:
         lps = [-t / 1000 for t in new] if req.return_logprob else []
         tops = ([[(-((t + j) % self.vocab_size) / 1000, (t + j) % self.vocab_size)
                   for j in range(req.top_logprobs_num)] for t in new] if req.return_logprob else [])
@@ -110,18 +114,17 @@ class FakeScheduler:
         aborted = self._aborted[req.rid]
         n = req.sampling_params.max_new_tokens
         tokens = self.script[:n] if n <= len(self.script) else self.script + [self.eos]
-        final = ({"type": "length", "length": n} if n <= len(self.script)
-                 else {"type": "stop", "matched": self.eos})
+        final = FinishLength(n) if n <= len(self.script) else FinishMatchedToken(self.eos)
         if req.rid.startswith("hang") or self.hold:
             await self._send(req, tokens[:3], 3, None)
             await aborted.wait()
-            await self._send(req, [], 3, {"type": "abort", "message": "aborted by client"})
+            await self._send(req, [], 3, FinishAbort(AbortKind.CLIENT_GONE, "aborted by client"))
             return
         pause = 0.1 if req.rid.startswith("slow") else 0.01
         for start in range(0, len(tokens), 3):
             await asyncio.sleep(pause)
             if aborted.is_set():
-                await self._send(req, [], start, {"type": "abort", "message": "aborted by client"})
+                await self._send(req, [], start, FinishAbort(AbortKind.CLIENT_GONE, "aborted by client"))
                 return
             chunk = tokens[start:start + 3]
             last = start + 3 >= len(tokens)

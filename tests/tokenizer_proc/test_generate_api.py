@@ -7,7 +7,7 @@ import concurrent.futures
 import json
 from typing import Any
 
-from common.messages import AbortReq
+from common.messages import StopMatchedReq
 from tests.tokenizer_proc.samples import TEXT
 from tests.tokenizer_proc.server_harness import Server, open_raw, post, read_until, sse_events, wait_until
 
@@ -45,9 +45,10 @@ def test_stop_string_split_across_stream_chunks(server: Server) -> None:
     assert last["output_ids"] == ids and last["meta_info"]["completion_tokens"] == len(ids)
     # The tokenizer finished it and told the scheduler to free its KV, naming
     # the match, so that the scheduler records a stop (metrics, timeline).
-    wait_until(lambda: "stop-stream" in server.fake.aborts())
-    assert [m.stop_matched for m in server.fake.received
-            if isinstance(m, AbortReq) and m.rid == "stop-stream"] == [stop]
+    wait_until(lambda: "stop-stream" in server.fake.stops())
+    assert [m.matched for m in server.fake.received
+            if isinstance(m, StopMatchedReq) and m.rid == "stop-stream"] == [stop]
+    assert "stop-stream" not in server.fake.aborts()
     wait_until(lambda: "stop-stream" not in server.in_flight())
 
 
@@ -60,7 +61,7 @@ def test_stop_string_non_streaming(server: Server) -> None:
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     # Rows were asked for as they come, so the stop could end it early.
     assert requests_for(server, "stop-plain")[0].stream
-    wait_until(lambda: "stop-plain" in server.fake.aborts())
+    wait_until(lambda: "stop-plain" in server.fake.stops())
 
 
 def test_stop_string_prefix_at_the_end_is_released(server: Server) -> None:

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from common.messages import IpcPaths, SamplingParams, TokenizedGenerateReq
+from common.messages import IpcPaths, SamplingParams, StateQuery, TokenizedGenerateReq
 from tokenizer_proc.errors import ServiceUnavailableError
 from tokenizer_proc.manager import TokenizerManager
 
@@ -28,7 +28,7 @@ def test_a_scheduler_that_never_reads_gets_503_not_a_hang(tmp_path) -> None:
             assert f"r{sent}" not in manager.states and len(manager.states) == sent
             manager.abort(manager.states["r0"])  # must return, not block
             with pytest.raises(asyncio.TimeoutError):
-                await manager.query_scheduler("state", timeout=0.2)
+                await manager.query_scheduler(StateQuery, timeout=0.2)
         finally:
             await manager.close()
 
