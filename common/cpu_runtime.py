@@ -6,11 +6,9 @@ glibc's malloc hands the large ones back to the kernel and faults them in
 again the next step, tcmalloc keeps them in its caches. CPU engines start
 with tcmalloc preloaded (vLLM's and SGLang's CPU guides); so does our model
 process where the library is installed (Debian/Ubuntu:
-`apt install libtcmalloc-minimal4`). Measured (bench/RESULTS.md, bfloat16,
-the server's decode step): batch 1 x 256 24-26 -> 21.3-21.5 ms, batch 32 x
-256 47.5-51.6 -> 45.0-45.5 ms. Intel OpenMP (`intel-openmp`, preloaded) and
-OpenMP thread binding (OMP_PROC_BIND/OMP_PLACES) were measured the same way
-and gained nothing here (within 2%), so neither is set.
+`apt install libtcmalloc-minimal4`): it makes the decode step faster here,
+while Intel OpenMP and OpenMP thread binding gained nothing, so neither is set
+(docs/performance.md, "The model process's allocator").
 
 The allocator must be in place before the process starts (LD_PRELOAD): the
 launcher adds it to the model process's environment only.
@@ -21,10 +19,10 @@ on this CPU. Every layer's ops are such regions, so when another process
 takes one of the model's cores for a moment (the front end reading a 4 MiB
 body), the thread on the other core spins until its partner is back and
 the step stalls for the whole burst. The model process spins 10,000
-iterations instead (unless GOMP_SPINCOUNT or OMP_WAIT_POLICY is set):
-measured (bench/RESULTS.md) the same quiet steps, and the step that meets
-a burst of 10 such posts 150-310 -> 103-109 ms (medians). Sleeping at once
-(OMP_WAIT_POLICY=passive) costs every quiet step ~55%.
+iterations instead (unless GOMP_SPINCOUNT or OMP_WAIT_POLICY is set): quiet
+steps cost the same, a step that meets such a burst stalls far less, and
+sleeping at once (OMP_WAIT_POLICY=passive) would slow every quiet step
+(docs/performance.md, "A burst of huge posts against the streams").
 
 Threads (`--cpu-threads`): by default torch's, one per physical core; with
 several tensor-parallel ranks on a node, the cores the process may run on
