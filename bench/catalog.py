@@ -125,7 +125,14 @@ HEADER = """\
 
 What each runnable benchmark answers, how to run it (from the repository root)
 and what it writes. Every command takes `--help`. Measured figures, with the
-commands that produced them, are in [RESULTS.md](RESULTS.md).
+commands that produced them, are in [RESULTS.md](RESULTS.md): one section per
+benchmark, its latest recorded run, rendered from the records in
+`results/latest/` (`<benchmark>.json`, which a benchmark replaces when it
+records a run: the micro benchmarks unless `--no-write`, the serving studies
+with `--record`). Both files are generated:
+
+    python -m bench.catalog --write    # this file and RESULTS.md, from the docstrings and the records
+    python -m bench.catalog --check    # exit 1 if either is stale (tests/bench/test_catalog.py, test_results.py)
 
 - `bench/serving/`: benchmarks against a running server (the load client
   `bench_serving` and the studies built on it; most launch their own servers).

@@ -170,21 +170,25 @@ def from_markdown(section: str, bench: str, **fields: Any) -> RunRecord:
     return RunRecord(bench, heading["title"], heading["date"], command["command"], blocks[1:], **fields)
 
 
-def record_path(name: str, records_dir: str = RECORDS_DIR) -> str:
-    return os.path.join(records_dir, f"{name}.json")
+# The paths below default to the module's RECORDS_DIR and RESULTS_MD as they are
+# when called, so that a test can point a benchmark's recording elsewhere.
+
+def record_path(name: str, records_dir: str | None = None) -> str:
+    return os.path.join(records_dir or RECORDS_DIR, f"{name}.json")
 
 
-def save(record: RunRecord, records_dir: str = RECORDS_DIR) -> str:
-    os.makedirs(records_dir, exist_ok=True)
+def save(record: RunRecord, records_dir: str | None = None) -> str:
     path = record_path(record.name, records_dir)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(record.to_json(), f, indent=1, ensure_ascii=False)
         f.write("\n")
     return path
 
 
-def load_all(records_dir: str = RECORDS_DIR) -> list[RunRecord]:
+def load_all(records_dir: str | None = None) -> list[RunRecord]:
     """Every record, in bench/README.md's order (package, then module)."""
+    records_dir = records_dir or RECORDS_DIR
     records = []
     if os.path.isdir(records_dir):
         for name in sorted(os.listdir(records_dir)):
@@ -222,9 +226,9 @@ def render_results(records: list[RunRecord]) -> str:
     return HEADER + "".join("\n" + r.render() + "\n" for r in records)
 
 
-def write_results(records_dir: str = RECORDS_DIR, results_md: str = RESULTS_MD) -> str:
+def write_results(records_dir: str | None = None, results_md: str | None = None) -> str:
     text = render_results(load_all(records_dir))
-    with open(results_md, "w") as f:
+    with open(results_md or RESULTS_MD, "w") as f:
         f.write(text)
     return text
 
@@ -238,8 +242,8 @@ def today() -> str:
 
 
 def record_run(section: str, bench: str, *, data: Any = None, load_average: LoadAverage | None = None,
-               floors: dict[str, float] | None = None, records_dir: str = RECORDS_DIR,
-               results_md: str = RESULTS_MD) -> RunRecord:
+               floors: dict[str, float] | None = None, records_dir: str | None = None,
+               results_md: str | None = None) -> RunRecord:
     """Records a run: its section becomes bench/results/latest/<name>.json
     (replacing the benchmark's previous record) and bench/RESULTS.md is
     rendered again from every record."""
