@@ -213,12 +213,13 @@ average and the floors it measured, its rows). A benchmark that records a run
 (see [README.md](README.md)) replaces its record and renders this file again.
 
 Every run recorded before that, in the order it was appended, is in
-[{HISTORY}]({HISTORY}); the hand-written analyses that sat between the runs
-are in [docs/performance.md](../docs/performance.md). A section whose record
-was migrated from that history says so under its heading: it was not re-run,
-its command is the one run then (before bench/ was split into packages: the
-module `bench.step_bench` is now `bench.micro.step_bench`, and so on), and where the benchmark prints to stdout only, its text was written by
-hand when it ran.
+[{HISTORY}]({HISTORY});
+the hand-written analyses that sat between the runs are in
+[docs/performance.md](../docs/performance.md). A section whose record was
+migrated from that history says so under its heading: it was not re-run, its
+command is the one run then (before bench/ was split into packages: the module
+`bench.step_bench` is now `bench.micro.step_bench`, and so on), and where the
+benchmark prints to stdout only, its text was written by hand when it ran.
 """
 
 
