@@ -1,8 +1,9 @@
-"""bench/README.md, generated from the runnable benchmarks' docstrings.
+"""bench/README.md, generated from the runnable benchmarks' docstrings, and
+bench/RESULTS.md, generated from their records (bench/results/latest/*.json).
 
     python -m bench.catalog            # print the README
-    python -m bench.catalog --write    # write bench/README.md
-    python -m bench.catalog --check    # exit 1 if bench/README.md is not what this would write
+    python -m bench.catalog --write    # write bench/README.md and bench/RESULTS.md
+    python -m bench.catalog --check    # exit 1 if either is not what this would write
 
 A runnable module is one under a package of bench/ other than bench/lib (the
 shared code, never run on its own) that has `if __name__ == "__main__":` or a
@@ -19,6 +20,10 @@ importing the module, so torch is not loaded):
 
 tests/bench/test_catalog.py fails when bench/README.md is not what this writes,
 or when a runnable module is missing from it or breaks the convention.
+
+bench/RESULTS.md is one section per benchmark, its latest recorded run, rendered
+by bench/lib/run_record.py from the records the benchmarks write;
+tests/bench/test_results.py fails when it is not what that renders.
 """
 
 from __future__ import annotations
@@ -29,11 +34,11 @@ import os
 import sys
 from dataclasses import dataclass
 
+from bench.lib import run_record
+
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 README = os.path.join(BENCH_DIR, "README.md")
 LIBRARY = "lib"
-# the packages' order in the table; a package not named here comes after them, by name
-ORDER = ["serving", "micro", "plots"]
 KIND = {
     "serving": "against a server",
     "micro": "in process",
@@ -93,13 +98,9 @@ def parse(module: str, package: str, source: str) -> Entry:
     return Entry(module, package, question, command, outputs[0] if outputs else "?", problems)
 
 
-def package_key(package: str) -> tuple[int, str]:
-    return (ORDER.index(package) if package in ORDER else len(ORDER), package)
-
-
 def entries(bench_dir: str = BENCH_DIR) -> list[Entry]:
     found = []
-    for package in sorted(os.listdir(bench_dir), key=package_key):
+    for package in sorted(os.listdir(bench_dir), key=run_record.package_key):
         folder = os.path.join(bench_dir, package)
         if package == LIBRARY or not os.path.isfile(os.path.join(folder, "__init__.py")):
             continue
@@ -124,7 +125,14 @@ HEADER = """\
 
 What each runnable benchmark answers, how to run it (from the repository root)
 and what it writes. Every command takes `--help`. Measured figures, with the
-commands that produced them, are in [RESULTS.md](RESULTS.md).
+commands that produced them, are in [RESULTS.md](RESULTS.md): one section per
+benchmark, its latest recorded run, rendered from the records in
+`results/latest/` (`<benchmark>.json`, which a benchmark replaces when it
+records a run: the micro benchmarks unless `--no-write`, the serving studies
+with `--record`). Both files are generated:
+
+    python -m bench.catalog --write    # this file and RESULTS.md, from the docstrings and the records
+    python -m bench.catalog --check    # exit 1 if either is stale (tests/bench/test_catalog.py, test_results.py)
 
 - `bench/serving/`: benchmarks against a running server (the load client
   `bench_serving` and the studies built on it; most launch their own servers).
@@ -148,23 +156,33 @@ def render(found: list[Entry]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--write", action="store_true", help="write bench/README.md")
-    g.add_argument("--check", action="store_true", help="exit 1 if bench/README.md differs from the generated text")
+    g.add_argument("--write", action="store_true", help="write bench/README.md and bench/RESULTS.md")
+    g.add_argument("--check", action="store_true",
+                   help="exit 1 if bench/README.md or bench/RESULTS.md differs from the generated text")
     args = p.parse_args(argv)
     found = entries()
     for e in found:
         for problem in e.problems:
             print(f"{e.module}: {problem}", file=sys.stderr)
     text = render(found)
+    records = run_record.load_all()
+    results = run_record.render_results(records)
     if args.write:
         with open(README, "w") as f:
             f.write(text)
         print(f"wrote {os.path.relpath(README)} ({len(found)} benchmarks)")
+        with open(run_record.RESULTS_MD, "w") as f:
+            f.write(results)
+        print(f"wrote {os.path.relpath(run_record.RESULTS_MD)} ({len(records)} records)")
     elif args.check:
-        with open(README) as f:
-            same = f.read() == text
-        print("bench/README.md is up to date" if same else "bench/README.md is stale: run python -m bench.catalog --write")
-        return 0 if same and not any(e.problems for e in found) else 1
+        stale = []
+        for path, want in ((README, text), (run_record.RESULTS_MD, results)):
+            with open(path) as f:
+                if f.read() != want:
+                    stale.append(os.path.relpath(path))
+        print(f"stale: {', '.join(stale)}: run python -m bench.catalog --write" if stale
+              else "bench/README.md and bench/RESULTS.md are up to date")
+        return 0 if not stale and not any(e.problems for e in found) else 1
     else:
         sys.stdout.write(text)
     return 1 if any(e.problems for e in found) else 0

@@ -1,6 +1,6 @@
 """The batching study's table: one object per trace and mode, ratios to
 continuous batching, and the markdown written to batching_study.md (and,
-when asked, appended to bench/RESULTS.md), which shows the per-mode timelines."""
+when asked, recorded: bench/lib/run_record.py), which shows the per-mode timelines."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import platform
 from typing import Any, Callable, Sequence
 
+from bench.lib.run_record import RESULTS_MD, record_run
 from bench.lib.study_modes import Trace
 from bench.lib.utilisation import harmonic
 
@@ -154,14 +155,15 @@ def report(args: argparse.Namespace, argv: Sequence[str] | None, traces: list[Tr
     return "\n".join(parts)
 
 
-def write_report(text_for: Callable[[str], str], md_path: str, results_md: str | None) -> str:
-    """Writes a report to `md_path` and, when `results_md` is given, appends it
-    there too (append only: other benchmarks add their sections as well).
+def write_report(text_for: Callable[[str], str], md_path: str, record_as: str | None = None,
+                 **record: Any) -> str:
+    """Writes a report to `md_path` and, when `record_as` names the benchmark
+    (bench.serving.sweep), records the run: its record, with `record`'s fields,
+    and bench/RESULTS.md rendered again (run_record.record_run).
     `text_for(path)` renders it with links relative to that file's folder."""
     text = text_for(md_path)
     with open(md_path, "w") as f:
         f.write(text + "\n")
-    if results_md is not None:
-        with open(results_md, "a") as f:
-            f.write("\n" + text_for(results_md) + "\n")
+    if record_as is not None:
+        record_run(text_for(RESULTS_MD), record_as, **record)
     return text

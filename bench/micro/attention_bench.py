@@ -31,9 +31,11 @@ its own, as the server's pool was before pages.
 `--compare` also runs each case (torch backend) the two earlier ways: one batch-wide gather
 into a reused buffer (no row chunks), and one batch-wide gather into a fresh
 buffer per layer (the backend before this bench). The table is printed and
-appended, with the command and date, to bench/RESULTS.md.
+the run recorded, with the command and date: bench/results/latest/attention_bench.json,
+from which bench/RESULTS.md is rendered again.
 
-Output: bench/RESULTS.md (appended); --no-write: stdout only
+Output: its record bench/results/latest/attention_bench.json and bench/RESULTS.md (rendered again);
+--no-write: stdout only
 """
 
 from __future__ import annotations
@@ -53,11 +55,10 @@ from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
 from bench.lib.kv_layout import SERVER_PAGE_SIZE, scattered_pages
 from bench.lib.machine_rates import read_bandwidth
+from bench.lib.run_record import LoadAverage, record_run
 from model_proc.attention import AttentionBackend, create_attention_backend
 from model_proc.attention.native import NativeAttnBackend
 from model_proc.runner import ModelRunner
-
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "RESULTS.md")
 
 
 class FreshWorkspace:
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
                         "pool goes on transparent huge pages for every backend, as the native backend sets up)")
     p.add_argument("--compare", action="store_true",
                    help="also time the batch-wide gather, reused and fresh buffer (the earlier code)")
-    p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    p.add_argument("--no-write", action="store_true", help="print only: no record, bench/RESULTS.md left alone")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -264,11 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     text = report(runner, command, args.steps, bandwidth, header, rows, tuple(backends), huge)
     print(text)
     if not args.no_write:
-        if not os.path.exists(RESULTS):
-            with open(RESULTS, "w") as f:
-                f.write("# Benchmark results\n\nAppended by the bench/ scripts; newest last.\n")
-        with open(RESULTS, "a") as f:
-            f.write(text)
+        record_run(text, "bench.micro.attention_bench", load_average=LoadAverage(None, [os.getloadavg()[0]]),
+                   floors={"read_bandwidth_gbs": round(bandwidth / 1e9, 2)})
 
 
 if __name__ == "__main__":

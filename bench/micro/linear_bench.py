@@ -18,10 +18,12 @@ one buffer on transparent huge pages (layers.move_packed_onto_huge_pages);
 brgemm taking the calls of 17-64 rows its own AMX loop takes in the model
 ("native-brgemm"). The kernels take turns, case by case, twice; the median of
 each kernel's timed steps is reported, with the weights' read rate and, next
-to it, the read bandwidth measured on the spot. The table is printed and
-appended, with the command and date, to bench/RESULTS.md.
+to it, the read bandwidth measured on the spot. The table is printed and the
+run recorded, with the command and date: bench/results/latest/linear_bench.json,
+from which bench/RESULTS.md is rendered again.
 
-Output: bench/RESULTS.md (appended); --no-write: stdout only
+Output: its record bench/results/latest/linear_bench.json and bench/RESULTS.md (rendered again);
+--no-write: stdout only
 """
 
 from __future__ import annotations
@@ -38,10 +40,9 @@ from dataclasses import dataclass
 import torch
 
 from bench.lib.machine_rates import read_bandwidth
+from bench.lib.run_record import LoadAverage, record_run
 from model_proc import layers
 from model_proc.layers import Linear, MatmulKernel, native_layers_op, onednn_supports
-
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "RESULTS.md")
 
 HIDDEN, INTER, Q, KV, LAYERS, VOCAB = 576, 1536, 576, 192, 30, 49152  # SmolLM2-135M
 
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="whether the native op's own AMX loop takes 17-64 rows (on, as in the model) or brgemm "
                         "takes every call (off), or both")
     p.add_argument("--steps", type=int, default=5, help="timed steps per kernel and turn")
-    p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    p.add_argument("--no-write", action="store_true", help="print only: no record, bench/RESULTS.md left alone")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     native = MatmulKernel.NATIVE.value
@@ -186,11 +187,13 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = read_bandwidth()
     medians = run(dtype, args.rows, kernels, args.steps)
     command = "python -m bench.micro.linear_bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = report(command.strip(), dtype, args.rows, kernels, medians, bandwidth, (load0, os.getloadavg()[0]))
+    load = (load0, os.getloadavg()[0])
+    text = report(command.strip(), dtype, args.rows, kernels, medians, bandwidth, load)
     print("\n" + text)
     if not args.no_write:
-        with open(RESULTS, "a") as f:
-            f.write("\n" + text)
+        rows = [{"rows": n, "kernel": k.value, "ms": round(1e3 * medians[(k, n)], 3)} for n in args.rows for k in kernels]
+        record_run(text, "bench.micro.linear_bench", data=rows, load_average=LoadAverage([load[0]], [load[1]]),
+                   floors={"read_bandwidth_gbs": round(bandwidth / 1e9, 2)})
 
 
 if __name__ == "__main__":

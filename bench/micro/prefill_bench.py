@@ -20,12 +20,14 @@ interleaved, so a burst of load on a shared machine hits them alike), medians:
 
 `--before` also times the backend's extend as it was (one SDPA per row over
 prefix + new tokens with an explicit bottom-right causal mask), for the same
-cases, side by side. Prints the tables and appends them to bench/RESULTS.md,
-unless some task waited for a CPU during more than a tenth of the run (Linux
+cases, side by side. Prints the tables and records the run
+(bench/results/latest/prefill_bench.json, from which bench/RESULTS.md is
+rendered again), unless some task waited for a CPU during more than a tenth of the run (Linux
 PSI): on a shared 2-core machine other load slows the many small ops of a
 chunked prefill far more than one whole prefill, and such a run says little.
 
-Output: bench/RESULTS.md (appended unless the machine was busy); --no-write: stdout only
+Output: its record bench/results/latest/prefill_bench.json and bench/RESULTS.md (rendered again),
+unless the machine was busy; --no-write: stdout only
 """
 
 from __future__ import annotations
@@ -43,13 +45,13 @@ import torch
 import torch.nn.functional as F
 
 from bench.lib.machine_rates import matmul_rate
+from bench.lib.run_record import LoadAverage, RECORDS_DIR, record_run
 from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
 from model_proc.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata
 from model_proc.model import LlamaForCausalLM
 from model_proc.runner import ModelRunner
 
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "RESULTS.md")
 TARGET_CHUNKED, TARGET_FLOOR = 1.25, 2.0
 MAX_STALLED = 0.1  # a run that waited for a CPU longer than this share is not recorded
 
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="default: the server's (native on a CPU); the native backend's other extend "
                         "(torch path or op) is timed beside it")
     p.add_argument("--model-path", default="", help="default: the bundled SmolLM2-135M-Instruct")
-    p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    p.add_argument("--no-write", action="store_true", help="print only: no record, bench/RESULTS.md left alone")
     args = p.parse_args(argv)
     path = args.model_path or default_model_path()
     if not path:
@@ -234,15 +236,17 @@ def main(argv: list[str] | None = None) -> dict:
                if "op" in ways else "")
             + ("; before: the masked SDPA the torch path replaced" if args.before else "") + ".\n\n" + "\n".join(lines) + "\n")
     print(text)
+    result = {"whole": a["whole"], "chunked": {x: a[f"chunked {x}"] for x in w},
+              "extend": {x: {q: b[f"{x} {q}"] for q in [0, *prefixes]} for x in w}, "floor": floors,
+              "met": (a_met, b_met)}
     if stalled is not None and stalled > MAX_STALLED and not args.no_write:
-        print(f"Not appended to {RESULTS}: the machine was busy ({stalled:.0%} > {MAX_STALLED:.0%}); "
+        print(f"Not recorded in {RECORDS_DIR}: the machine was busy ({stalled:.0%} > {MAX_STALLED:.0%}); "
               "run it again when it is quiet.")
     elif not args.no_write:
-        with open(RESULTS, "a") as f:
-            f.write(text)
-    return {"whole": a["whole"], "chunked": {x: a[f"chunked {x}"] for x in w},
-            "extend": {x: {q: b[f"{x} {q}"] for q in [0, *prefixes]} for x in w}, "floor": floors,
-            "met": (a_met, b_met)}
+        record_run(text, "bench.micro.prefill_bench", data=result,
+                   load_average=LoadAverage([round(x, 2) for x in load_start], [round(x, 2) for x in load_end]),
+                   floors={f"matmul_{str(dtype).removeprefix('torch.')}_gflops": round(rate / 1e9)})
+    return result
 
 
 if __name__ == "__main__":

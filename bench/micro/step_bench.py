@@ -47,7 +47,8 @@ and both rates measured by this script before the cases: read bandwidth as
 the best `sum` over a 512 MiB tensor, matmul rate as the best 2048^3 matmul
 (torch.mm or a oneDNN pre-packed linear, whichever is faster) in the dtype.
 
-Prints the table, appends it to bench/RESULTS.md and writes the rows to
+Prints the table, records the run (bench/results/latest/step_bench.json, from
+which bench/RESULTS.md is rendered again) and writes the rows to
 bench/results/step_bench.json: dtype, batch, context, what, ms_per_step,
 floor_ms, ratio_to_floor (forward rows add attention_ms, server rows
 forward_ms and outside_forward_share). A row replaces an earlier one of the
@@ -55,8 +56,8 @@ same case; the others are kept, so a subset can be rerun.
 Timed steps: the median (or with `--stat min`, the best) of `--steps` after 2
 warm-ups; the forward's "of which attention" is the backend's time in extra steps.
 
-Output: bench/RESULTS.md (appended), bench/results/step_bench.json (rows merged); --no-write: stdout
-only
+Output: its record bench/results/latest/step_bench.json and bench/RESULTS.md (rendered again),
+bench/results/step_bench.json (rows merged); --no-write: stdout only
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ import torch
 from bench.micro.attention_bench import Timer
 from bench.lib.kv_layout import SERVER_PAGE_SIZE, scattered_pages
 from bench.lib.machine_rates import matmul_rate, read_bandwidth, timed_calls
+from bench.lib.run_record import LoadAverage, record_run
 from common.cpu_runtime import CpuAllocator, allocator_preload, preloaded_allocator, with_omp_spin, with_preload
 from common.messages import ForwardBatch
 from common.server_args import ServerArgs, default_model_path
@@ -92,7 +94,6 @@ from model_proc.runner import ModelRunner
 from model_proc.weights import resolve_model_path
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
-RESULTS_MD = os.path.join(HERE, "RESULTS.md")
 RESULTS_JSON = os.path.join(HERE, "results", "step_bench.json")
 # server-no-overlap: the same server with --disable-overlap-schedule (the plain loop)
 WHATS = ("forward", "server", "server-no-overlap", "transformers")
@@ -485,13 +486,16 @@ def main(argv: list[str] | None = None) -> None:
                     results[(dt, what, b, c)] = res
 
     command = " ".join(["python -m bench.micro.step_bench", *(sys.argv[1:] if argv is None else argv)])
-    text = report(command, floor, results, args.dtypes, cases, args.stat, (load_start, os.getloadavg()[0]),
+    load = (load_start, os.getloadavg()[0])
+    text = report(command, floor, results, args.dtypes, cases, args.stat, load,
                   time.perf_counter() - began, args.tp_size, args.page_size)
     print(text)
     if not args.no_write:
-        with open(RESULTS_MD, "a") as f:  # append-only: others add their sections too
-            f.write(text)
-        write_json(json_rows(results, floor, args.tp_size))
+        rows = json_rows(results, floor, args.tp_size)
+        write_json(rows)
+        record_run(text, "bench.micro.step_bench", data=rows, load_average=LoadAverage([load[0]], [load[1]]),
+                   floors={"read_bandwidth_gbs": round(floor.bandwidth / 1e9, 2),
+                           **{f"matmul_{dt}_gflops": round(r / 1e9) for dt, r in floor.rates.items()}})
 
 
 # set in the restarted process: the settings it changed, as they were (JSON; None: unset)

@@ -35,10 +35,12 @@ plus where the utilisation came from), batching_study.md, the raw runs
 and, for each of our server's modes on the chapter trace, its scheduler
 timeline as read from GET /timeline before the server stopped
 (timeline_<mode>.json, and timeline_<mode>.png on one time axis for all modes).
-With --append-results the markdown also goes to bench/RESULTS.md (appended).
+With --record the run is also recorded (bench/results/latest/batching_study.json,
+from which bench/RESULTS.md is rendered again).
 
 Output: bench/results/batching_study.json, batching_study.md, batching_study_runs.jsonl,
-timeline_<mode>.json/.png and the PNG plots; --append-results: bench/RESULTS.md (appended)
+timeline_<mode>.json/.png and the PNG plots; --record: its record bench/results/latest/batching_study.json
+and bench/RESULTS.md (rendered again)
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from bench.lib.backends import RequestConfig
 from bench.serving.bench_serving import load_client_tokenizer, run_benchmark
 from bench.lib.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
 from bench.lib.datasets import chapter_lens, poisson_arrivals, rows_from_lengths, sample_rows
+from bench.lib.run_record import LoadAverage, loadavg
 from bench.lib.server_launcher import LaunchedServer
 from bench.lib.study_modes import (MODES, OUR_MODES, TIMELINE_TRACE, NotRun, Trace, hf_serve_missing, run_mode,
                                with_utilisation)
@@ -67,7 +70,6 @@ from bench.lib.study_report import add_ratios, machine_line, report, table_row, 
 
 TRACES = ("chapter", "exponential")
 BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
-RESULTS_MD = os.path.join(BENCH_DIR, "RESULTS.md")
 
 
 def build_traces(args: argparse.Namespace, tokenizer: Any) -> list[Trace]:
@@ -163,7 +165,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default=os.path.join(BENCH_DIR, "results"))
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--append-results", action="store_true", help="append the tables to bench/RESULTS.md")
+    p.add_argument("--record", "--append-results", dest="record", action="store_true",
+                   help="record the run: bench/results/latest/batching_study.json, and bench/RESULTS.md rendered "
+                        "again (--append-results: its name when it appended to bench/RESULTS.md)")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     args.traces = [t for t in args.traces.split(",") if t]
@@ -254,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     # SIGTERM unwinds like Ctrl-C, so the server of the mode being measured is stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.makedirs(args.out_dir, exist_ok=True)
-    started, machine_start = time.perf_counter(), machine_line()
+    started, machine_start, load_start = time.perf_counter(), machine_line(), loadavg()
     model_dir = resolve_model_dir(args.model_path)
     tokenizer = load_client_tokenizer(model_dir)
     traces = build_traces(args, tokenizer)
@@ -290,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                       machine_end=machine_end)
 
     study_md = os.path.join(args.out_dir, "batching_study.md")
-    text = write_report(text_for, study_md, RESULTS_MD if args.append_results else None)
+    text = write_report(text_for, study_md, "bench.serving.batching_study" if args.record else None, data=rows,
+                        load_average=LoadAverage(load_start, loadavg()))
     print(text)
     return rows
 

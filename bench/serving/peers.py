@@ -27,9 +27,11 @@ Next to each row, the trace's floors on this machine, measured on the spot:
   bandwidth, as an inter-token latency.
 
 Writes --out-dir/peers.json ({command, machine, floors, rows}) and peers.md;
---append-results also appends the markdown to bench/RESULTS.md.
+--record also records the run (bench/results/latest/peers.json, from which
+bench/RESULTS.md is rendered again).
 
-Output: bench/results/peers.json, peers.md; --append-results: bench/RESULTS.md (appended)
+Output: bench/results/peers.json, peers.md; --record: its record bench/results/latest/peers.json and
+bench/RESULTS.md (rendered again)
 """
 
 from __future__ import annotations
@@ -47,13 +49,13 @@ import torch
 
 from bench.serving import bench_serving
 from bench.lib.machine_rates import matmul_rate, read_bandwidth
+from bench.lib.run_record import LoadAverage, record_run
 from bench.lib.server_launcher import LaunchedServer
 from common.server_args import ServerArgs, default_model_path
 from model_proc.model import ModelConfig
 from model_proc.weights import resolve_model_path
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
-RESULTS_MD = os.path.join(HERE, "RESULTS.md")
 OURS = "batchserve"
 
 
@@ -150,7 +152,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--output-len", type=int, default=128, help="mean output tokens (+- half)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
-    p.add_argument("--append-results", action="store_true")
+    p.add_argument("--record", "--append-results", dest="record", action="store_true",
+                   help="record the run: bench/results/latest/peers.json, and bench/RESULTS.md rendered again "
+                        "(--append-results: its name when it appended to bench/RESULTS.md)")
     args = p.parse_args(argv)
     peers, notes = parse_named(args.peer, "--peer"), parse_named(args.peer_note, "--peer-note")
     if OURS in peers:
@@ -203,9 +207,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         json.dump(result, f, indent=1)
     with open(os.path.join(args.out_dir, "peers.md"), "w") as f:
         f.write(text)
-    if args.append_results:
-        with open(RESULTS_MD, "a") as f:
-            f.write(text)
+    if args.record:
+        record_run(text, "bench.serving.peers", data=result,
+                   load_average=LoadAverage([round(x, 2) for x in load_start], [round(x, 2) for x in load_end]),
+                   floors=floors)
     return result
 
 

@@ -27,12 +27,13 @@ cache of prompts alone could hit, when no two requests that share a prefix are
 prefilled together), the load average at the start and the CPU wait.
 
 Writes --out-dir/prefix_cache.json ({command, machine, workloads, rows,
-ratios}) and prefix_cache.md; with --append-results the markdown is also
-appended to bench/RESULTS.md. Flags that take server flags need the `=` form
+ratios}) and prefix_cache.md; with --record the run is also recorded
+(bench/results/latest/prefix_cache.json, from which bench/RESULTS.md is
+rendered again). Flags that take server flags need the `=` form
 when the value starts with a dash: --off-server-args='--schedule-policy fcfs'.
 
-Output: bench/results/prefix_cache.json, prefix_cache.md; --append-results: bench/RESULTS.md
-(appended)
+Output: bench/results/prefix_cache.json, prefix_cache.md; --record: its record
+bench/results/latest/prefix_cache.json and bench/RESULTS.md (rendered again)
 """
 
 from __future__ import annotations
@@ -56,11 +57,11 @@ from bench.lib.backends import RequestConfig
 from bench.serving.bench_serving import flush_cache, load_client_tokenizer, run_benchmark, run_conversations, warm_up
 from bench.lib.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
 from bench.lib.datasets import (Conversation, DatasetRow, poisson_arrivals, sample_conversations, sample_rows)
+from bench.lib.run_record import LoadAverage, loadavg
 from bench.lib.server_launcher import LaunchedServer
 from bench.lib.study_report import fmt, machine_line, write_report
 
 BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
-RESULTS_MD = os.path.join(BENCH_DIR, "RESULTS.md")
 WORKLOADS = ("shared-prefix", "multi-turn")
 CACHE_MODES = ("on", "off")
 WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 32, 8
@@ -317,7 +318,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_quiet_cpu_args(p, "run", retries=0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default=os.path.join(BENCH_DIR, "results"))
-    p.add_argument("--append-results", action="store_true", help="append the markdown to bench/RESULTS.md")
+    p.add_argument("--record", "--append-results", dest="record", action="store_true",
+                   help="record the run: bench/results/latest/prefix_cache.json, and bench/RESULTS.md rendered "
+                        "again (--append-results: its name when it appended to bench/RESULTS.md)")
     args = p.parse_args(argv)
     args.workloads = list(dict.fromkeys(args.workloads))
     for name in ("server_args", "on_server_args", "off_server_args"):
@@ -332,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the running server is stopped
     os.makedirs(args.out_dir, exist_ok=True)
-    started, machine_start = time.perf_counter(), machine_line()
+    started, machine_start, load_start = time.perf_counter(), machine_line(), loadavg()
     model_dir = resolve_model_dir(args.model_path)
     tokenizer = load_client_tokenizer(model_dir)
     workloads = build_workloads(args, tokenizer)
@@ -352,7 +355,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         json.dump(result, f, indent=1)
     text = write_report(lambda _: report(args, argv, workloads, rows, rs, machine_start, machine_end, elapsed,
                                          wait.share),
-                        os.path.join(args.out_dir, "prefix_cache.md"), RESULTS_MD if args.append_results else None)
+                        os.path.join(args.out_dir, "prefix_cache.md"),
+                        "bench.serving.prefix_cache" if args.record else None,
+                        data={"rows": rows, "ratios": rs}, load_average=LoadAverage(load_start, loadavg()))
     print(text)
     return result
 

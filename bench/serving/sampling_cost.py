@@ -21,12 +21,13 @@ produces tokens once it is decoding, whatever the answer lengths. Each row
 also checks what it measured: every json_schema answer parses and has
 --json-items integers.
 
-Writes --out-dir/sampling_cost.json and .md; with --append-results the markdown
-is also appended to bench/RESULTS.md. Targets (issue 14): json_schema within
+Writes --out-dir/sampling_cost.json and .md; with --record the run is also
+recorded (bench/results/latest/sampling_cost.json, from which bench/RESULTS.md
+is rendered again). Targets (issue 14): json_schema within
 15% of plain, penalties within 5%, at batch 1 and 16.
 
-Output: bench/results/sampling_cost.json, sampling_cost.md; --append-results: bench/RESULTS.md
-(appended)
+Output: bench/results/sampling_cost.json, sampling_cost.md; --record: its record
+bench/results/latest/sampling_cost.json and bench/RESULTS.md (rendered again)
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ from bench.lib.backends import RequestConfig
 from bench.serving.bench_serving import load_client_tokenizer, run_benchmark
 from bench.lib.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
 from bench.lib.datasets import DatasetRow
+from bench.lib.run_record import LoadAverage
 from bench.lib.server_launcher import LaunchedServer
 from bench.lib.study_report import machine_line, write_report
 
 BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
-RESULTS_MD = os.path.join(BENCH_DIR, "RESULTS.md")
 CASES = ("plain", "penalties", "json_schema")
 PROMPT = "Here is a list of three-digit numbers, as JSON:"
 PENALTIES = {"frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.1,
@@ -92,7 +93,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "an item, so 26 items are about plain's 128 tokens)")
     p.add_argument("--server-args", default="", help="extra flags for launch.py")
     p.add_argument("--out-dir", default=os.path.join(BENCH_DIR, "results"))
-    p.add_argument("--append-results", action="store_true")
+    p.add_argument("--record", "--append-results", dest="record", action="store_true",
+                   help="record the run: bench/results/latest/sampling_cost.json, and bench/RESULTS.md rendered "
+                        "again (--append-results: its name when it appended to bench/RESULTS.md)")
     add_quiet_cpu_args(p, "each batch size", retries=0)
     return p.parse_args(argv)
 
@@ -145,8 +148,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "sampling_cost.json"), "w") as f:
         json.dump(result, f, indent=1)
+    load = LoadAverage([round(rows[0]["load_start"], 2)], [round(rows[-1]["load_end"], 2)]) if rows else None
     write_report(lambda _: markdown(result), os.path.join(args.out_dir, "sampling_cost.md"),
-                 RESULTS_MD if args.append_results else None)
+                 "bench.serving.sampling_cost" if args.record else None, data=rows, load_average=load)
     return result
 
 

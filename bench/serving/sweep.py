@@ -31,10 +31,11 @@ fall for that reason. With EOS on, a row may stop early; the total output
 tokens of each point are reported.
 
 Writes under --out-dir: sweep.json (one object per N), sweep.md and, with
-matplotlib, sweep.png; with --append-results the markdown also goes to
-bench/RESULTS.md (appended).
+matplotlib, sweep.png; with --record the run is also recorded
+(bench/results/latest/sweep.json, from which bench/RESULTS.md is rendered again).
 
-Output: bench/results/sweep.json, sweep.md, sweep.png; --append-results: bench/RESULTS.md (appended)
+Output: bench/results/sweep.json, sweep.md, sweep.png; --record: its record bench/results/latest/sweep.json
+and bench/RESULTS.md (rendered again)
 """
 
 from __future__ import annotations
@@ -58,13 +59,13 @@ from bench.lib.backends import RequestConfig
 from bench.serving.bench_serving import load_client_tokenizer, run_benchmark, scheduler_counters, utilisation_between, warm_up
 from bench.lib.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
 from bench.lib.datasets import DatasetRow, poisson_arrivals, sample_rows
+from bench.lib.run_record import LoadAverage, loadavg
 from bench.lib.server_launcher import LaunchedServer
 from bench.plots.study_plots import have_matplotlib, pyplot
 from bench.lib.study_report import fmt, link, machine_line, write_report
 from bench.plots.timeline_plot import fetch_timeline
 
 BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
-RESULTS_MD = os.path.join(BENCH_DIR, "RESULTS.md")
 DEFAULT_VALUES = (1, 4, 16, 64, 256)
 RETRACT_LINE = re.compile(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)")
 
@@ -313,7 +314,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default=os.path.join(BENCH_DIR, "results"))
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--append-results", action="store_true", help="append the markdown to bench/RESULTS.md")
+    p.add_argument("--record", "--append-results", dest="record", action="store_true",
+                   help="record the run: bench/results/latest/sweep.json, and bench/RESULTS.md rendered again "
+                        "(--append-results: its name when it appended to bench/RESULTS.md)")
     args = p.parse_args(argv)
     if any(n < 1 for n in args.max_running_requests):
         p.error("--max-running-requests values must be >= 1")
@@ -340,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the running server is stopped
     os.makedirs(args.out_dir, exist_ok=True)
-    started, machine_start = time.perf_counter(), machine_line()
+    started, machine_start, load_start = time.perf_counter(), machine_line(), loadavg()
     model_dir = resolve_model_dir(args.model_path)
     tokenizer = load_client_tokenizer(model_dir)
     rows, offsets, trace = build_trace(args, tokenizer)
@@ -368,7 +371,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                       machine_end, elapsed, wait.share, plot, os.path.dirname(os.path.abspath(md_path)))
 
     sweep_md = os.path.join(args.out_dir, "sweep.md")
-    text = write_report(text_for, sweep_md, RESULTS_MD if args.append_results else None)
+    text = write_report(text_for, sweep_md, "bench.serving.sweep" if args.record else None, data=points,
+                        load_average=LoadAverage(load_start, loadavg()))
     print(text)
     return points
 

@@ -35,3 +35,14 @@ def test_a_native_option_given_both_values_times_both_side_by_side(capsys, flag,
     header = out[out.index("| rows |"):].splitlines()[0]
     assert header == f"| rows | native ms (GB/s) | {other} ms (GB/s) | {other} / native |"
     assert native_layers_op(torch.device("cpu")).amx_enabled()
+
+
+def test_a_recorded_run_keeps_each_kernels_median_and_the_bandwidth(recorded):
+    linear_bench.main(["--rows", "1", "3", "--steps", "1", "--kernels", "torch"])
+    record = recorded.check("bench.micro.linear_bench")
+    assert record.title == "The model's matmuls per kernel"
+    assert [(r["rows"], r["kernel"]) for r in record.data] == [(1, "torch"), (3, "torch")]
+    assert all(r["ms"] > 0 for r in record.data) and record.floors["read_bandwidth_gbs"] > 0
+    [table] = [b for b in record.body if b.kind.value == "table"]
+    assert table.columns[:2] == ["rows", "torch ms (GB/s)"] and [r[0] for r in table.rows] == ["1", "3"]
+    assert len(record.load_average.start) == len(record.load_average.end) == 1

@@ -11,13 +11,13 @@ from model_proc.model import ModelConfig
 from tests.helpers import TINY_CONFIG
 
 
-def test_this_server_and_a_peer_are_served_the_same_trace(tmp_path, default_model_dir) -> None:
+def test_this_server_and_a_peer_are_served_the_same_trace(tmp_path, default_model_dir, recorded) -> None:
     # the peer is another server of ours: any OpenAI-completions server would do
     with LaunchedServer.ours(["--max-running-requests", "4"], str(tmp_path / "peer.log")) as peer:
         out = peers.main(["--concurrency", "2", "1", "--num-prompts", "4", "--num-prompts-single", "2",
                           "--input-len", "16", "--output-len", "8", "--ours-flags", "--max-running-requests 4",
                           "--peer", f"other={peer.url}", "--peer-note", "other=a second batchserve",
-                          "--out-dir", str(tmp_path)])
+                          "--out-dir", str(tmp_path), "--record"])
     assert [(r["server"], r["concurrency"], r["prompts"]) for r in out["rows"]] == [
         ("batchserve", 2, 4), ("batchserve", 1, 2), ("other", 2, 4), ("other", 1, 2)]
     for r in out["rows"]:
@@ -28,6 +28,8 @@ def test_this_server_and_a_peer_are_served_the_same_trace(tmp_path, default_mode
     assert "| other | 1 | 2 |" in md and "- other: a second batchserve" in md
     assert json.loads((tmp_path / "peers.json").read_text())["rows"] == out["rows"]
     assert os.path.exists(tmp_path / "peers-server.log")
+    record = recorded.check("bench.serving.peers")  # --record
+    assert record.data == json.loads(json.dumps(out)) and record.floors == out["floors"]
 
 
 def test_trace_flops_count_layers_head_and_attention() -> None:

@@ -257,12 +257,12 @@ def test_the_off_mode_defaults_to_disable_radix_cache_and_a_run_that_fails_is_ke
 # ---- end to end ---------------------------------------------------------------------------------------
 
 
-def test_prefix_cache_bench_serves_both_workloads_with_the_cache_on_and_off(tiny_served_model, tmp_path):
+def test_prefix_cache_bench_serves_both_workloads_with_the_cache_on_and_off(tiny_served_model, tmp_path, recorded):
     argv = ["--model-path", tiny_served_model, "--num-groups", "2", "--prompts-per-group", "3",
             "--system-prompt-len", "48", "--question-len", "8", "--output-len", "4",
             "--num-conversations", "2", "--num-turns", "3", "--turn-question-len", "8", "--turn-output-len", "4",
             "--server-args=--max-running-requests 4 --max-total-tokens 1024",
-            "--quiet-threshold", "1", "--out-dir", str(tmp_path)]
+            "--quiet-threshold", "1", "--out-dir", str(tmp_path), "--record"]
     result = prefix_cache.main(argv)
 
     saved = json.loads((tmp_path / "prefix_cache.json").read_text())
@@ -287,6 +287,8 @@ def test_prefix_cache_bench_serves_both_workloads_with_the_cache_on_and_off(tiny
     assert rows[0]["prefix_share"] == pytest.approx(4 * 48 / (6 * 56))
     assert [x["workload"] for x in saved["ratios"]] == ["shared-prefix", "multi-turn"]
     assert all(x["throughput_ratio"] > 0 and x["ttft_p50_ratio"] > 0 for x in saved["ratios"])
+    record = recorded.check("bench.serving.prefix_cache")  # --record
+    assert record.data == {"rows": saved["rows"], "ratios": saved["ratios"]}
 
     md = (tmp_path / "prefix_cache.md").read_text()
     assert "python -m bench.serving.prefix_cache --model-path" in md

@@ -69,3 +69,16 @@ def test_servers_get_the_environment_the_script_was_started_with(monkeypatch):
     step_bench.restore_launch_environment()
     assert os.environ["LD_PRELOAD"] == "libold.so"
     assert "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_a_recorded_run_merges_its_rows_and_records_them_with_the_floors(default_model_dir, tmp_path, monkeypatch,
+                                                                          recorded):
+    monkeypatch.setattr(step_bench, "RESULTS_JSON", str(tmp_path / "step_bench.json"))
+    step_bench.main(["--dtypes", "float32", "--what", "forward", "--batches", "2", "--contexts", "8",
+                     "--steps", "1"])  # 2 x 8: one page of 16 slots
+    record = recorded.check("bench.micro.step_bench")
+    assert record.data == json.loads((tmp_path / "step_bench.json").read_text())
+    assert [(r["what"], r["batch"], r["context"]) for r in record.data] == [("forward", 2, 8)]
+    assert set(record.floors) == {"read_bandwidth_gbs", "matmul_float32_gflops"}
+    [table] = [b for b in record.body if b.kind.value == "table"]
+    assert table.rows[0][:3] == ["float32", "2", "8"]

@@ -13,7 +13,7 @@ from bench.lib.datasets import DatasetRow
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
 
-def test_sweep_writes_one_row_per_value_with_the_retractions_of_each(tiny_served_model, tmp_path):
+def test_sweep_writes_one_row_per_value_with_the_retractions_of_each(tiny_served_model, tmp_path, recorded):
     # 8 + 32 tokens a request: at most 39 KV slots each, one whole request in 64.
     # --schedule-conservativeness 0.1 makes the scheduler count on 7% of each
     # output (8 + 3 slots a request), so N = 4 runs several rows at once and they
@@ -22,7 +22,7 @@ def test_sweep_writes_one_row_per_value_with_the_retractions_of_each(tiny_served
     argv = ["--model-path", tiny_served_model, "--max-running-requests", "1", "4", "--num-prompts", "8",
             "--random-input-len", "8", "--random-output-len", "32", "--max-total-tokens", "64",
             "--server-args=--schedule-conservativeness 0.1",
-            "--quiet-threshold", "1", "--out-dir", str(tmp_path)] + ([] if HAVE_MPL else ["--no-plots"])
+            "--quiet-threshold", "1", "--out-dir", str(tmp_path), "--record"] + ([] if HAVE_MPL else ["--no-plots"])
     points = sweep.main(argv)
 
     rows = json.loads((tmp_path / "sweep.json").read_text())
@@ -45,6 +45,8 @@ def test_sweep_writes_one_row_per_value_with_the_retractions_of_each(tiny_served
     if HAVE_MPL:
         assert "![throughput against --max-running-requests](sweep.png)" in md
         assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    record = recorded.check("bench.serving.sweep")  # --record
+    assert record.data == rows and len(record.load_average.start) == 3
 
 
 def point(n: int, tps: float, retractions: int) -> dict:
