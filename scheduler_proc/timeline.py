@@ -1,7 +1,7 @@
 """A bounded record of what the scheduler did: per-request events and per-step stats.
 
 Served at GET /timeline?since=<t>&after_seq=<n> and drawn by /dashboard and
-bench/timeline_plot.py.
+bench/plots/timeline_plot.py.
 The ring buffer drops the oldest events beyond its bound, so memory stays flat
 under any load; recording is one small dict per event.
 """
