@@ -49,13 +49,19 @@ class SamplingBatch:
     @classmethod
     def from_lists(cls, temperatures: list[float], top_ps: list[float], top_ks: list[int],
                    min_ps: list[float], seeds: list[int], steps: list[int],
-                   device: str | torch.device = "cpu") -> "SamplingBatch":
+                   device: str | torch.device = "cpu",
+                   tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                   ) -> "SamplingBatch":
+        """tensors: the four lists already on the device (temperatures, top_ps,
+        top_ks, min_ps: the step's StepInputs has them); else built here."""
         sampled = [i for i, t in enumerate(temperatures) if t >= GREEDY_EPS]
+        if tensors is None:
+            tensors = (torch.tensor(temperatures, dtype=torch.float32, device=device),
+                       torch.tensor(top_ps, dtype=torch.float32, device=device),
+                       torch.tensor(top_ks, dtype=torch.int64, device=device),
+                       torch.tensor(min_ps, dtype=torch.float32, device=device))
         return cls(
-            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
-            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
+            temperatures=tensors[0], top_ps=tensors[1], top_ks=tensors[2], min_ps=tensors[3],
             seeds=list(seeds), steps=list(steps),
             all_greedy=not sampled,
             need_sort=any(top_ks[i] > 0 or top_ps[i] < 1.0 for i in sampled),

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.messages import ForwardBatch
-from model_proc.attention.base import AttentionBackend, AttentionMetadata, gather_kv_indices, indptr
+from model_proc.attention.base import AttentionBackend, AttentionMetadata
 from model_proc.kv_cache import KVPool, ReqToTokenTable
+from model_proc.step_inputs import StepInputs
 
 
 @dataclass
@@ -76,39 +76,22 @@ class TorchAttnBackend(AttentionBackend):
         super().__init__(kv_pool, req_to_token, scale)
         self.workspace = GatherWorkspace()
 
-    def init_forward_metadata(self, batch: ForwardBatch, out_cache_loc: torch.Tensor) -> TorchAttnMetadata:
-        device = out_cache_loc.device
-        table = self.req_to_token.table
-        bs = len(batch.seq_lens)
-        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=device)
-        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=device)
-        kv_indptr = indptr(seq_lens)
-        total_kv = sum(batch.seq_lens)
-        if batch.forward_mode == "decode":
-            max_len = max(batch.seq_lens)
-            cols = torch.arange(max_len, device=device)
-            valid = cols[None, :] < seq_lens[:, None]
-            slots = table[rows, :max_len].to(torch.int64).masked_fill_(~valid, 0)
-            return TorchAttnMetadata(
-                forward_mode="decode", batch_size=bs,
-                qo_indptr=torch.arange(bs + 1, dtype=torch.int64, device=device),
-                kv_indptr=kv_indptr, kv_indices=slots[valid], seq_lens=seq_lens,
-                prefix_lens=seq_lens - 1, out_cache_loc=out_cache_loc,
-                decode_slots=slots.flatten(), decode_mask=valid[:, None, None, :], max_len=max_len)
-
-        prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
+    def init_forward_metadata(self, inputs: StepInputs) -> TorchAttnMetadata:
+        if inputs.is_decode:
+            max_len = inputs.max_seq_len
+            cols = torch.arange(max_len, device=inputs.seq_lens.device)
+            valid = cols[None, :] < inputs.seq_lens[:, None]
+            slots = self.req_to_token.table[inputs.req_pool_indices, :max_len].to(torch.int64).masked_fill_(~valid, 0)
+            return TorchAttnMetadata(inputs, decode_slots=slots.flatten(), decode_mask=valid[:, None, None, :],
+                                     max_len=max_len)
+        # EXTEND, and MIXED (its decoding rows are extend rows of one token here)
         qo_bounds, prefix_bounds = [], []
         q0 = k0 = 0
-        for s, p in zip(batch.seq_lens, batch.prefix_lens):
+        for s, p in zip(inputs.seq_lens_host, inputs.prefix_lens_host):
             qo_bounds.append((q0, q0 + s - p))
             prefix_bounds.append((k0, k0 + p))
             q0, k0 = q0 + s - p, k0 + s
-        return TorchAttnMetadata(
-            forward_mode="extend", batch_size=bs,
-            qo_indptr=indptr(seq_lens - prefix_lens), kv_indptr=kv_indptr,
-            kv_indices=gather_kv_indices(table, rows, seq_lens, kv_indptr, total_kv),
-            seq_lens=seq_lens, prefix_lens=prefix_lens, out_cache_loc=out_cache_loc,
-            qo_bounds=qo_bounds, prefix_bounds=prefix_bounds)
+        return TorchAttnMetadata(inputs, qo_bounds=qo_bounds, prefix_bounds=prefix_bounds)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: TorchAttnMetadata) -> torch.Tensor:
