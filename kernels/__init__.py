@@ -10,6 +10,6 @@ reference it is tested against:
 Importing this package imports no Triton; the modules do, so they are
 imported only by the triton attention backend
 (model_proc/attention/triton_backend.py), the tests (under TRITON_INTERPRET=1
-on a CPU) and bench/gpu_check.py. kernels/ imports nothing of this project's
+on a CPU) and tests/gpu/gpu_check.py. kernels/ imports nothing of this project's
 but itself (tests/test_layering.py).
 """

@@ -2,7 +2,7 @@
 
 `Linear` is a weight that is prepared once, after loading, for the device it
 will run on. On a CPU, measured on this project's 2-core machine
-(bench/RESULTS.md, `python -m bench.linear_bench`):
+(bench/RESULTS.md, `python -m bench.micro.linear_bench`):
 
 - bfloat16 with AMX or AVX512_BF16: the native op (model_proc/native/
   layers.cpp): the weight packed once into brgemm's blocked layout, the
@@ -205,7 +205,7 @@ def move_packed_onto_huge_pages(linears: list[Linear]) -> int:
     transparent huge pages (native.huge_page_buffer); returns its bytes.
     One buffer, not one per weight: a huge page is 2 MiB and most weights
     are smaller. Every decode step streams all the weights from memory, and
-    the whole model's matmuls (`python -m bench.linear_bench`, bench/RESULTS.md)
+    the whole model's matmuls (`python -m bench.micro.linear_bench`, bench/RESULTS.md)
     ran ~15% faster on them (weights on 4 KiB pages: a TLB miss and a
     restart of the hardware prefetcher every 4 KiB)."""
     moving = [lin for lin in linears if lin.kernel is MatmulKernel.NATIVE]

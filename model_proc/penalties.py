@@ -19,7 +19,7 @@ token each row samples. A step reads and writes only the entries whose
 terms are not neutral (each row's `touched` tokens: seen in the prompt or
 output, or biased), since a neutral term (scale 1, additive 0) leaves a logit
 bit-identical: its cost follows the tokens the rows have seen, not the
-vocabulary (16 rows of 49152: 0.06 ms, where a dense pass took 4.8 ms). The
+vocabulary (bench/RESULTS.md, "What penalties cost per decode step"). The
 repetition pass is skipped when no penalized row needs it; min_new_tokens
 sets the row's stop ids to -inf. The dense tensors ([rows, vocab]) are
 allocated the first time a request uses penalties.

@@ -47,8 +47,8 @@ class NativeAttnBackend(AttentionBackend):
     this dtype or head_dim (logged here). Which one attends a step is decided
     once, in init_forward_metadata, and read back from the metadata's type.
     With the op, the pool's memory is advised onto transparent huge pages
-    (native.advise_huge_pages; faster decode on scattered slots: bench/
-    RESULTS.md, bench/micro/attention_bench.py).
+    (native.advise_huge_pages: faster decode on scattered slots, measured by
+    bench/micro/attention_bench.py).
     """
 
     # Which path extend rows take: the op's (True), the torch backend's
@@ -57,7 +57,7 @@ class NativeAttnBackend(AttentionBackend):
     # 32), torch's elsewhere. The op's bfloat16 extend (every key block packed
     # once per call, both products through brgemm, base-2 online softmax,
     # rescaled lazily) beats the torch path there at every prefix length
-    # (bench/micro/prefill_bench.py, bench/RESULTS.md); its float32 extend
+    # (bench/RESULTS.md, "Prefill over a cached prefix"); its float32 extend
     # (SIMD dot products) is slower than the torch path's.
     native_extend: bool | None = None
 
@@ -87,6 +87,7 @@ class NativeAttnBackend(AttentionBackend):
     def init_forward_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         if self.op is None:
             return self.torch.init_forward_metadata(inputs)
+        inputs.kv_indices  # gathered here, once per step, rather than by the first layer
         if inputs.is_decode:
             return NativeAttnMetadata(inputs, max_len=inputs.max_seq_len)
         if not inputs.mode.is_mixed():

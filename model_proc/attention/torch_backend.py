@@ -31,9 +31,9 @@ class GatherWorkspace:
     extend row's prefix.
 
     A fresh [rows * max_len, kv_heads, D] tensor per layer is a new large
-    allocation each time, and on CPU its first touch page-faults: at batch 64
-    the attention time was about 2.5x that of `index_select(out=)` into
-    memory already mapped (bench/RESULTS.md). So one K and one V buffer live
+    allocation each time, and on CPU its first touch page-faults: far slower
+    than `index_select(out=)` into memory already mapped (bench/RESULTS.md,
+    "Decode step: attention share (torch backend)"). So one K and one V buffer live
     as long as the backend, grown when a step needs more; every layer and
     every step writes into them. Decode chunking bounds their size (about
     `decode_chunk_bytes`, or one row if a row is bigger); an extend needs its
@@ -63,13 +63,14 @@ class TorchAttnBackend(AttentionBackend):
     the reused workspace and runs one padded, masked SDPA per chunk of rows
     (the whole batch unless it is big). Gathering every layer's pages once per
     step instead would move the same bytes (each layer's pages differ) and
-    hold num_layers times the workspace; measured no faster (bench/RESULTS.md).
+    hold num_layers times the workspace; measured no faster.
     """
 
     # K + V gathered per SDPA call. A big batch goes in chunks of rows that
     # stay in the last-level cache from the gather until SDPA reads them:
-    # 20-30% less attention time at batch 64 than one batch-wide gather
-    # (bench/RESULTS.md). A chunk is never less than one row.
+    # less attention time than one batch-wide gather (bench/RESULTS.md,
+    # "Decode step: attention share (torch backend)"). A chunk is never less
+    # than one row.
     decode_chunk_bytes = 8 << 20
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float) -> None:
@@ -85,6 +86,7 @@ class TorchAttnBackend(AttentionBackend):
             return TorchAttnMetadata(inputs, decode_slots=slots.flatten(), decode_mask=valid[:, None, None, :],
                                      max_len=max_len)
         # EXTEND, and MIXED (its decoding rows are extend rows of one token here)
+        inputs.kv_indices  # gathered here, once per step, rather than by the first layer
         qo_bounds, prefix_bounds = [], []
         q0 = k0 = 0
         for s, p in zip(inputs.seq_lens_host, inputs.prefix_lens_host):
@@ -130,7 +132,7 @@ class TorchAttnBackend(AttentionBackend):
         # The query heads that share a KV head (GQA) go in as that head's
         # "query positions": one [group, max_len] score matrix per KV head, K
         # and V read once, never expanded; no causal mask applies to a decode
-        # token. About 1.3x faster than SDPA's enable_gqa at 64 x 256.
+        # token. Faster than SDPA's enable_gqa.
         group = q.shape[1] // kv_heads
         out = F.scaled_dot_product_attention(q.view(rows, kv_heads, group, head_dim), k, v,
                                              attn_mask=mask, scale=self.scale)
@@ -149,15 +151,15 @@ class TorchAttnBackend(AttentionBackend):
         over the new tokens with a plain (square) causal mask; the two partial
         results are merged by their log-sum-exp (merge_attention). The prefix
         K/V are gathered into the reused workspace (`index_select(out=)`).
-        Measured (bfloat16, python -m bench.prefill_bench, bench/RESULTS.md):
-        an 8192-token prompt in 256-token chunks 7.5 -> 6.5 s (whole: 5.6 s);
-        one 256-token step after 7936 cached tokens 0.39 -> 0.32 s.
+        Measured against the masked SDPA it replaced by
+        `python -m bench.micro.prefill_bench --before` (bench/RESULTS.md,
+        "Prefill over a cached prefix").
         """
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         out = torch.empty_like(q)
         for (q0, q1), (p0, p1) in zip(meta.qo_bounds, meta.prefix_bounds):
             # [1, heads, tokens, D]: the CPU flash kernel takes 4-d inputs only
-            # (3-d ones go to the math path: 3x slower, bench/RESULTS.md)
+            # (3-d ones go to the slower math path)
             rq, rk, rv = (x[None, q0:q1].transpose(1, 2) for x in (q, k, v))
             if p1 == p0:  # no prefix: the new tokens are the whole row
                 o = F.scaled_dot_product_attention(rq, rk, rv, is_causal=True, scale=self.scale,

@@ -95,7 +95,7 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     then fault in 2 MiB at a time. Decode reads K/V rows at scattered slots,
     one TLB miss per row with 4 KiB pages; on 2 MiB pages the native decode
     at 64 x 2048 (bfloat16, scattered slots) took 253 instead of 288 ms per
-    step (python -m bench.attention_bench, with and without
+    step (python -m bench.micro.attention_bench, with and without
     --no-huge-pages; /sys/kernel/mm/transparent_hugepage/enabled =
     madvise, as on this machine). False where it cannot (not Linux, not
     CPU, too small, refused); harmless then."""
