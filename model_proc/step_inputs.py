@@ -129,15 +129,20 @@ class Staging:
         on_host = self.device.type == "cpu"
         self.host = torch.empty(capacity, dtype=self.dtype, pin_memory=not on_host)
         self.dev = self.host if on_host else torch.empty(capacity, dtype=self.dtype, device=self.device)
+        # the last copy to the device: the host buffer is not rewritten before it is done
+        self.copied = None if on_host else torch.cuda.Event()
 
     def load(self, values: array.array) -> torch.Tensor:
         """The values on the device: a view of the buffer's first len(values)."""
         n = len(values)
         if n > self.capacity:
             self._allocate(max(n, 2 * self.capacity))
+        if self.copied is not None:
+            self.copied.synchronize()
         self.host[:n].copy_(torch.frombuffer(values, dtype=self.dtype))
-        if self.dev is not self.host:
+        if self.copied is not None:
             self.dev[:n].copy_(self.host[:n], non_blocking=True)
+            self.copied.record()
         return self.dev[:n]
 
 
