@@ -185,8 +185,8 @@ class ModelRunner:
         their new prefixes)."""
         self.check_batch(batch)
         inputs = self.step_inputs.build(batch)
-        if batch.table_rows:
-            self._rewrite_rows(batch)
+        if inputs.table_rewrite is not None:
+            self._rewrite_rows(*inputs.table_rewrite)
         self.req_to_token.table[inputs.token_rows, inputs.positions] = inputs.out_cache_loc.to(torch.int32)
         return inputs
 
@@ -194,16 +194,14 @@ class ModelRunner:
         meta = self.attn_backend.init_forward_metadata(inputs)
         return self.model(inputs.input_ids, inputs.positions, meta, inputs.input_logprob_index)
 
-    def _rewrite_rows(self, batch: ForwardBatch) -> None:
+    def _rewrite_rows(self, rows: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], :lens[i]] = the next lens[i] of the flat slots."""
         dev = self.device
-        rows = torch.tensor(batch.table_rows, dtype=torch.int64, device=dev)
-        lens = torch.tensor(batch.table_lens, dtype=torch.int64, device=dev)
-        n = len(batch.table_slots)
-        row_of = torch.repeat_interleave(torch.arange(len(rows), device=dev), lens, output_size=n)
+        n = slots.numel()
+        row_of = torch.repeat_interleave(torch.arange(rows.numel(), device=dev), lens, output_size=n)
         first = torch.cumsum(lens, 0) - lens
         positions = torch.arange(n, device=dev) - first[row_of]
-        self.req_to_token.table[rows[row_of], positions] = torch.tensor(
-            batch.table_slots, dtype=torch.int32, device=dev)
+        self.req_to_token.table[rows[row_of], positions] = slots.to(torch.int32)
 
     def check_batch(self, b: ForwardBatch) -> None:
         """O(batch) sanity checks: a malformed batch is a scheduler bug, and

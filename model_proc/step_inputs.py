@@ -53,6 +53,8 @@ class StepInputs:
     penalty_rows: torch.Tensor | None = None  # [P] ForwardBatch.penalty_rows
     # flat token indices of the prompt positions whose logits rows asked for
     input_logprob_index: torch.Tensor | None = None
+    # ForwardBatch.table_rows/table_lens/table_slots (None: no row rewritten)
+    table_rewrite: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -179,7 +181,8 @@ class StepInputBuilder:
         ints.extend(b.seq_lens)
         if not decode:
             ints.extend(b.prefix_lens)
-        for part in (b.top_ks, b.input_ids, b.out_cache_loc, b.penalty_rows, index):
+        for part in (b.top_ks, b.input_ids, b.out_cache_loc, b.penalty_rows, index, b.table_rows, b.table_lens,
+                     b.table_slots):
             ints.extend(part)
         floats = array.array("f", b.temperatures)
         floats.extend(b.top_ps)
@@ -194,7 +197,11 @@ class StepInputBuilder:
         input_ids, at = i[at:at + num_tokens], at + num_tokens
         out_cache_loc, at = i[at:at + num_tokens], at + num_tokens
         penalty_rows, at = i[at:at + len(b.penalty_rows)], at + len(b.penalty_rows)
-        input_logprob_index = i[at:at + len(index)] if index else None
+        input_logprob_index, at = i[at:at + len(index)] if index else None, at + len(index)
+        table_rewrite = None
+        if b.table_rows:
+            n, m = len(b.table_rows), len(b.table_slots)
+            table_rewrite = (i[at:at + n], i[at + n:at + 2 * n], i[at + 2 * n:at + 2 * n + m])
 
         if decode_rows and FUTURE_TOKEN in b.input_ids[num_tokens - decode_rows:]:
             # a decoding row's token still in flight in the scheduler (overlap)
@@ -218,7 +225,7 @@ class StepInputBuilder:
         return StepInputs(
             mode, bs, num_tokens, decode_rows, rows, seq_lens, prefix_lens, input_ids, positions, token_rows,
             out_cache_loc, qo_indptr, kv_indptr, self.table, b.seq_lens, b.prefix_lens, sampling,
-            penalty_rows if b.penalty_rows else None, input_logprob_index)
+            penalty_rows if b.penalty_rows else None, input_logprob_index, table_rewrite)
 
 
 def build_step_inputs(batch: ForwardBatch, table: torch.Tensor) -> StepInputs:

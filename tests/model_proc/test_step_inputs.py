@@ -24,7 +24,7 @@ def builder(rows: int = 8, tokens: int = 16) -> StepInputBuilder:
 def test_a_mixed_step_has_its_rows_positions_and_indptrs_and_resolves_only_its_decoding_rows():
     b = builder()
     fb = batch(ForwardMode.MIXED, [3, 5, 2], [6, 4, 9], [2, 3, 8], [11, 12, 13, 14, FUTURE_TOKEN, FUTURE_TOKEN],
-               decode_rows=2, penalty_rows=[2])
+               decode_rows=2, penalty_rows=[2], table_rows=[3, 5], table_lens=[2, 1], table_slots=[7, 8, 9])
     x = b.build(fb)
     assert (x.mode, x.batch_size, x.num_tokens, x.decode_rows) == (ForwardMode.MIXED, 3, 6, 2)
     assert x.input_ids.tolist() == [11, 12, 13, 14, 5000, 2000]
@@ -34,6 +34,7 @@ def test_a_mixed_step_has_its_rows_positions_and_indptrs_and_resolves_only_its_d
     assert x.kv_indptr.tolist() == [0, 6, 10, 19]
     assert x.out_cache_loc.tolist() == list(range(100, 106))
     assert x.penalty_rows.tolist() == [2]
+    assert x.table_rewrite is not None and [t.tolist() for t in x.table_rewrite] == [[3, 5], [2, 1], [7, 8, 9]]
     table = b.table
     assert x.kv_indices.tolist() == table[3, :6].tolist() + table[5, :4].tolist() + table[2, :9].tolist()
     assert x.sampling is not None and x.sampling.top_ks.tolist() == [7] * 3
@@ -50,6 +51,7 @@ def test_a_mixed_step_has_its_rows_positions_and_indptrs_and_resolves_only_its_d
 def test_a_decode_step_reuses_the_buffers_and_a_bigger_step_grows_them():
     b = builder(rows=2, tokens=2)
     first = b.build(batch(ForwardMode.DECODE, [1, 4], [5, 7], [], [FUTURE_TOKEN, 9]))
+    assert first.table_rewrite is None and first.penalty_rows is None and first.input_logprob_index is None
     assert first.input_ids.tolist() == [1000, 9]
     assert first.positions.tolist() == first.prefix_lens.tolist() == [4, 6]
     assert first.qo_indptr.tolist() == [0, 1, 2] and first.kv_indptr.tolist() == [0, 5, 12]
