@@ -126,6 +126,7 @@ class Staging:
         self.dtype, self.device = dtype, device
         self._allocate(capacity)
 
+    @torch.inference_mode(False)  # a buffer grown during a step is still writable outside one
     def _allocate(self, capacity: int) -> None:
         self.capacity = capacity
         on_host = self.device.type == "cpu"
@@ -162,6 +163,7 @@ class StepInputBuilder:
         self.floats = Staging(torch.float32, device, 3 * rows)
         self._grow_rows(rows)
 
+    @torch.inference_mode(False)
     def _grow_rows(self, rows: int) -> None:
         self.rows = rows
         self.arange = torch.arange(rows + 1, dtype=torch.int64, device=self.device)  # decode's qo_indptr
