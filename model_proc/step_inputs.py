@@ -1,14 +1,17 @@
 """StepInputs: what one step reads on the device, built once per step from
 its ForwardBatch.
 
-The batch's lists become tensors here and nowhere else: every per-row and
-per-token list goes into one int64 and one float32 staging buffer, each
+The batch's lists become tensors here and nowhere else: the per-row and
+per-token lists go into one int64 and one float32 staging buffer, each
 filled from one `array` and copied once (through pinned memory to the
 device on a GPU), and the step's tensors are views of those buffers or are
-derived from them on the device. The attention backends' metadata, the
-sampler and the penalties read a StepInputs; the buffers are allocated once
-(grown if a step ever needs more) and reused, so a step's tensors live at
-the same addresses each time, as graph replay needs.
+derived from them on the device. (Seeds and sample steps stay host lists:
+the sampler seeds a generator per seeded row from them.) The attention
+backends' metadata, the sampler and the penalties read a StepInputs; the
+buffers are allocated once (grown if a step ever needs more) and reused, so
+a step's tensors live at the same addresses each time, as graph replay
+needs. Rare per-step extras (grammar bitmasks, prompt-logprob targets,
+penalty state rebuilds) still turn their own lists into tensors.
 
 A StepInputs is valid until the next one is built from the same builder.
 """
