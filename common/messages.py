@@ -13,10 +13,24 @@ import msgspec
 
 
 class ForwardMode(enum.StrEnum):
-    """What a step computes (a str: "extend" == ForwardMode.EXTEND)."""
+    """What a step computes. Compare members (`is`, or the helpers), never strings."""
 
     EXTEND = "extend"  # new prompt tokens (a prefill, or a chunk of one) after a prefix in the pool
     DECODE = "decode"  # one token per row, after its last sampled one
+    # an extend whose last `ForwardBatch.decode_rows` rows are running rows
+    # decoding one token each (--enable-mixed-chunk): their decode step, run
+    # in the same pass over the weights as the prefill
+    MIXED = "mixed"
+
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+    def is_extend(self) -> bool:
+        """Ragged rows after a prefix (`prefix_lens` is sent): EXTEND or MIXED."""
+        return self is not ForwardMode.DECODE
+
+    def is_mixed(self) -> bool:
+        return self is ForwardMode.MIXED
 
 
 class GrammarKind(enum.Enum):
@@ -249,11 +263,12 @@ class ForwardBatch(msgspec.Struct, tag=True):
     an extend). The model keeps `req_to_token` itself and updates it from
     `req_pool_indices`, `prefix_lens`/`seq_lens` and `out_cache_loc`.
 
-    forward_mode "extend": row i has `seq_lens[i] - prefix_lens[i]` new tokens,
-    laid out flat in `input_ids`; its first `prefix_lens[i]` tokens are already
-    in the KV pool. forward_mode "decode": one new token per row
-    (`prefix_lens` is empty; the prefix is `seq_lens[i] - 1`); an input id may
-    be FUTURE_TOKEN, which the model replaces with the row's last sampled token.
+    EXTEND: row i has `seq_lens[i] - prefix_lens[i]` new tokens, laid out flat
+    in `input_ids`; its first `prefix_lens[i]` tokens are already in the KV
+    pool. DECODE: one new token per row (`prefix_lens` is empty; the prefix is
+    `seq_lens[i] - 1`). MIXED: an extend whose last `decode_rows` rows decode
+    one token each. A decoding row's input id may be FUTURE_TOKEN, which the
+    model replaces with the row's last sampled token.
     `out_cache_loc` holds the KV slot of every new token, aligned with
     `input_ids`. `table_rows`/`table_lens`/`table_slots` rewrite rows of the
     model's `req_to_token` before the step: row `table_rows[i]` gets, for its
@@ -281,6 +296,7 @@ class ForwardBatch(msgspec.Struct, tag=True):
     min_ps: list[float]
     seeds: list[int]
     sample_steps: list[int]
+    decode_rows: int = 0  # MIXED: how many of the last rows decode one token (0 otherwise)
     return_logprob: bool = False  # some row wants the logprob of its sampled token
     top_logprobs_nums: list[int] = []  # per row: how many top logprobs (0: none)
     table_rows: list[int] = []

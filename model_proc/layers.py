@@ -1,21 +1,21 @@
 """The per-token building blocks of the decoder, written for speed on a CPU.
 
 `Linear` is a weight that is prepared once, after loading, for the device it
-will run on. On a CPU, measured on this project's 2-core machine
-(bench/RESULTS.md, `python -m bench.linear_bench`):
+will run on. On a CPU (measured by `python -m bench.micro.linear_bench`:
+bench/RESULTS.md, "The model's matmuls per kernel"):
 
 - bfloat16 with AMX or AVX512_BF16: the native op (model_proc/native/
   layers.cpp): the weight packed once into brgemm's blocked layout, the
   epilogue (bias, residual add, SiLU(gate) * up) fused into the pass that
   rounds the product to bfloat16, the RMSNorm before it (`norm_eps`) in the
   same call, and the packed weights of the whole model in one buffer on
-  transparent huge pages. The model's matmuls took 0.67-0.85x oneDNN's time
-  with it, from 1 row (a decode step alone) to 1024 (a prefill); on huge
-  pages 1 / 32 / 64 rows took 0.79 / 0.85 / 0.89x their time on 4 KiB pages.
+  transparent huge pages: faster than oneDNN from 1 row (a decode step
+  alone) to 1024 (a prefill), and faster on huge pages than on 4 KiB ones.
 - otherwise (float32, or no native op): a oneDNN pre-packed weight. MKL's
   float32 `F.linear` runs a single-row matmul on one thread; oneDNN's uses
   both and, pre-packed, reads the weight at close to the memory bandwidth
-  (the whole model's matmuls: ~21 ms vs ~43 ms). It fuses the residual add.
+  (about half the time of MKL's for the whole model's matmuls). It fuses
+  the residual add.
 
 Everything else on a GPU (or without oneDNN) stays `F.linear` plus the same
 epilogue as separate ops: same results up to float rounding.
@@ -93,9 +93,9 @@ class HooklessModule(nn.Module):
 
     The decoder's per-layer modules are called ~210 times a decode step
     (30 layers of a layer, its attention, its MLP and four matmuls); the
-    hook checks of nn.Module's call cost ~1 ms of a ~21 ms step at batch 1
-    (measured side by side, bfloat16, 1 row at 256 tokens). Nothing
-    registers hooks on these modules; the model's head keeps them."""
+    hook checks of nn.Module's call were a measurable share of a decode step
+    at batch 1. Nothing registers hooks on these modules; the model's head
+    keeps them."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
@@ -205,9 +205,9 @@ def move_packed_onto_huge_pages(linears: list[Linear]) -> int:
     transparent huge pages (native.huge_page_buffer); returns its bytes.
     One buffer, not one per weight: a huge page is 2 MiB and most weights
     are smaller. Every decode step streams all the weights from memory, and
-    the whole model's matmuls (`python -m bench.linear_bench`, bench/RESULTS.md)
-    ran ~15% faster on them (weights on 4 KiB pages: a TLB miss and a
-    restart of the hardware prefetcher every 4 KiB)."""
+    the whole model's matmuls (`python -m bench.micro.linear_bench`) ran
+    faster on them (weights on 4 KiB pages: a TLB miss and a restart of the
+    hardware prefetcher every 4 KiB)."""
     moving = [lin for lin in linears if lin.kernel is MatmulKernel.NATIVE]
     align = 64  # a cache line: brgemm's loads stay aligned
 

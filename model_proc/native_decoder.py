@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from model_proc.attention.base import AttentionMetadata
-from model_proc.attention.native import MixedAttnMetadata, NativeAttnBackend
-from model_proc.attention.torch_backend import TorchAttnMetadata
+from model_proc.attention.native import MixedAttnMetadata, NativeAttnBackend, NativeAttnMetadata
 from model_proc.layers import Linear, MatmulKernel, native_layers_op
 
 if TYPE_CHECKING:
@@ -27,8 +26,8 @@ class NativeDecoder:
     tensors, so the same bits, without Python between them. Built for one
     native attention backend's KV pool: the model takes it only while its
     layers still use that backend, and for steps whose attention is all the
-    op's (decode rows always; extend rows where the backend's
-    `native_extend` is on)."""
+    op's (NativeAttnMetadata: decode rows always; extend rows where the
+    backend's `native_extend` is on)."""
     op: Any  # the layers module, for its AttnPart
     stack: Any  # layers.cpp DecoderStack
     backend: NativeAttnBackend
@@ -41,22 +40,21 @@ class NativeDecoder:
 
     def parts(self, meta: AttentionMetadata, tokens: int) -> list[Any] | None:
         """The step's attention parts for the stack, or None where the
-        modules must run it (an extend on the torch path)."""
-        if type(meta) is TorchAttnMetadata:
-            if meta.is_decode:
-                return [self._part(meta, 0, tokens)]
-            return [self._part(meta, 0, tokens)] if self.backend.native_extend else None
-        if type(meta) is MixedAttnMetadata:
-            # a mixed step: its extend rows' tokens first, then its decoding rows'
-            t = meta.decode_token
-            if meta.extend is None:
-                return [self._part(meta.decode, 0, tokens)]
-            if not self.backend.native_extend:
-                return None
-            return [self._part(meta.extend, 0, t), self._part(meta.decode, t, tokens - t)]
-        return None
+        modules must run it (rows the backend's torch path attends)."""
+        if type(meta) is NativeAttnMetadata:
+            return [self._part(meta, 0, tokens)]
+        if type(meta) is not MixedAttnMetadata:
+            return None
+        # a mixed step: its extend rows' tokens first, then its decoding rows'
+        assert meta.decode is not None
+        if meta.extend is None:
+            return [self._part(meta.decode, 0, tokens)]
+        if type(meta.extend) is not NativeAttnMetadata:
+            return None
+        t = meta.decode_token
+        return [self._part(meta.extend, 0, t), self._part(meta.decode, t, tokens - t)]
 
-    def _part(self, meta: TorchAttnMetadata, start: int, count: int) -> Any:
+    def _part(self, meta: NativeAttnMetadata, start: int, count: int) -> Any:
         decode = meta.is_decode
         return self.op.AttnPart(decode, start, count, meta.max_len, None if decode else meta.qo_indptr,
                                 meta.kv_indptr, meta.kv_indices, meta.out_cache_loc)

@@ -19,7 +19,7 @@ token each row samples. A step reads and writes only the entries whose
 terms are not neutral (each row's `touched` tokens: seen in the prompt or
 output, or biased), since a neutral term (scale 1, additive 0) leaves a logit
 bit-identical: its cost follows the tokens the rows have seen, not the
-vocabulary (16 rows of 49152: 0.06 ms, where a dense pass took 4.8 ms). The
+vocabulary (bench/RESULTS.md, "What penalties cost per decode step"). The
 repetition pass is skipped when no penalized row needs it; min_new_tokens
 sets the row's stop ids to -inf. The dense tensors ([rows, vocab]) are
 allocated the first time a request uses penalties.
@@ -131,7 +131,19 @@ class PenaltyState:
         self.uses_repetition[row] = init.repetition_penalty != 1.0
         self.min_new_host[row] = init.min_new_tokens if stops else 0
 
-    def apply(self, logits: torch.Tensor, batch: ForwardBatch) -> None:
+    def _positions_and_rows(self, batch: ForwardBatch, positions: torch.Tensor | None,
+                            pool_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """batch.penalty_rows and their req_to_token rows, as tensors: from the
+        step's inputs (positions: StepInputs.penalty_rows, pool_rows: its
+        req_pool_indices), or built here from the batch's lists."""
+        if positions is None:
+            positions = torch.tensor(batch.penalty_rows, dtype=torch.int64, device=self.device)
+        if pool_rows is None:
+            pool_rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=self.device)
+        return positions, pool_rows[positions]
+
+    def apply(self, logits: torch.Tensor, batch: ForwardBatch, positions: torch.Tensor | None = None,
+              pool_rows: torch.Tensor | None = None) -> None:
         """Penalize, in place, the logits [B, V] of the rows in batch.penalty_rows:
         only the entries whose terms are not neutral (`touched`), so a step
         costs in proportion to the tokens the rows have seen, not to the
@@ -139,8 +151,9 @@ class PenaltyState:
         dev = self.device
         rows_host = [batch.req_pool_indices[i] for i in batch.penalty_rows]
         lengths = torch.tensor([len(self.touched[r]) for r in rows_host], dtype=torch.int64, device=dev)
-        pos = torch.repeat_interleave(torch.tensor(batch.penalty_rows, dtype=torch.int64, device=dev), lengths)
-        rows = torch.repeat_interleave(torch.tensor(rows_host, dtype=torch.int64, device=dev), lengths)
+        positions, pen_rows = self._positions_and_rows(batch, positions, pool_rows)
+        pos = torch.repeat_interleave(positions, lengths)
+        rows = torch.repeat_interleave(pen_rows, lengths)
         toks = torch.cat([self.touched[r] for r in rows_host])
         scale = self.scale[rows, toks] if any(self.uses_repetition[r] for r in rows_host) else None
         logits[pos, toks] = apply_penalties(logits[pos, toks], scale, self.additive[rows, toks])
@@ -149,13 +162,12 @@ class PenaltyState:
             if batch.sample_steps[i] < self.min_new_host[r]:
                 logits[i, self.stop_ids[r]] = float("-inf")
 
-    def update(self, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
+    def update(self, batch: ForwardBatch, next_ids: torch.Tensor, positions: torch.Tensor | None = None,
+               pool_rows: torch.Tensor | None = None) -> None:
         """Count the tokens just sampled for the rows in batch.penalty_rows, and
         bring their terms up to date (a row appears once in a batch, so the
-        scatters have no duplicates)."""
-        pos = torch.tensor(batch.penalty_rows, dtype=torch.int64, device=self.device)
-        rows = torch.tensor([batch.req_pool_indices[i] for i in batch.penalty_rows], dtype=torch.int64,
-                            device=self.device)
+        scatters have no duplicates). positions, pool_rows: as apply's."""
+        pos, rows = self._positions_and_rows(batch, positions, pool_rows)
         ids = next_ids[pos]
         c = self.counts[rows, ids] + 1
         self.counts[rows, ids] = c

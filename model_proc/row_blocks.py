@@ -2,7 +2,7 @@
 and logits are the same bits whatever else shares its forward.
 
 Why they differ without it (measured on this project's 2-core AVX-512 CPU,
-torch 2.13, float32; bench/deterministic_cost.py measures the price):
+torch 2.13, float32; bench/micro/deterministic_cost.py measures the price):
 
 - oneDNN's packed matmul gives a row other bits at 1 row than at 2 or more
   when the reduction is long (K = 1536, the default model's down projection):

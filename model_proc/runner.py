@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardResult, ModelInfo
+from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardMode, ForwardResult, ModelInfo
 from common.server_args import ServerArgs
 from model_proc.attention import create_attention_backend
 from model_proc.dtypes import dtype_name, resolve_dtype
@@ -27,7 +27,8 @@ from model_proc.model import LlamaForCausalLM, ModelConfig
 from model_proc.native_decoder import build_native_decoder
 from model_proc.parallel import SINGLE, TensorParallel, shard_heads
 from model_proc.penalties import PenaltyState
-from model_proc.sampler import Sampler, SamplingBatch, apply_token_bitmask
+from model_proc.sampler import Sampler, apply_token_bitmask
+from model_proc.step_inputs import StepInputBuilder, StepInputs
 from model_proc.step_stats import DecodeStepStats
 from model_proc.weights import CheckpointReader, resolve_model_path
 
@@ -85,6 +86,12 @@ class ModelRunner:
         # per req_to_token row: what the penalties of its request need (allocated
         # the first time a request uses them; see model_proc/penalties.py)
         self.penalties = PenaltyState(self.req_to_token.table.shape[0], cfg.vocab_size, self.device)
+        # each step's inputs, in buffers sized for a full batch and a prefill chunk
+        # (plus the running rows a mixed step adds); grown if a step needs more
+        step_tokens = sa.chunked_prefill_size if sa.chunked_prefill_size > 0 else sa.max_prefill_tokens
+        self.step_inputs = StepInputBuilder(self.req_to_token.table, self.last_sampled,
+                                            rows=self.req_to_token.table.shape[0],
+                                            tokens=step_tokens + self.req_to_token.table.shape[0])
         self.step_stats = DecodeStepStats()
         self.model_info = ModelInfo(
             model_path=self.model_path,
@@ -103,24 +110,23 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         start = time.perf_counter()
-        bs = len(batch.req_pool_indices)
-        all_logits = self.compute_logits(batch)
+        inputs = self.prepare(batch)
+        bs = inputs.batch_size
+        all_logits = self._run(inputs)
         logits, prompt_logits = all_logits[:bs], all_logits[bs:]
         if batch.penalty_inits:
             self.penalties.init_rows(batch)
         if batch.penalty_rows:  # in place; logprobs below are of the penalized logits, as SGLang's
-            self.penalties.apply(logits, batch)
+            self.penalties.apply(logits, batch, inputs.penalty_rows, inputs.req_pool_indices)
         if batch.grammar_rows:  # after the penalties: a disallowed token stays at -inf
             apply_token_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
-        params = SamplingBatch.from_lists(batch.temperatures, batch.top_ps, batch.top_ks,
-                                          batch.min_ps, batch.seeds, batch.sample_steps, self.device)
+        assert inputs.sampling is not None
         # every rank samples the same logits alike; rank 0's tokens are
         # broadcast anyway, so no rounding difference can ever part the ranks
-        next_ids = self.tp.broadcast_(self.sampler(logits, params))
-        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=self.device)
-        self.last_sampled[rows] = next_ids
+        next_ids = self.tp.broadcast_(self.sampler(logits, inputs.sampling))
+        self.last_sampled[inputs.req_pool_indices] = next_ids
         if batch.penalty_rows:
-            self.penalties.update(batch, next_ids)
+            self.penalties.update(batch, next_ids, inputs.penalty_rows, inputs.req_pool_indices)
         result = ForwardResult(next_token_ids=next_ids.tolist())
         if not self.tp.is_first:  # only rank 0 answers the scheduler
             return result
@@ -129,7 +135,7 @@ class ModelRunner:
         if batch.input_logprob_rows:
             self._add_input_logprobs(result, prompt_logits, batch)
         result.forward_time = time.perf_counter() - start
-        self.step_stats.record(batch.forward_mode, len(batch.req_pool_indices), start, result.forward_time)
+        self.step_stats.record(inputs.mode, bs, start, result.forward_time)
         return result
 
     @staticmethod
@@ -165,70 +171,37 @@ class ModelRunner:
                 result.input_top_logprob_ids.append([i[:top] for i in ids_l[start:start + n]] if top else [])
             start += n
 
-    def _input_logprob_index(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """Flat token indices of the prompt positions whose logits rows asked for."""
-        if not batch.input_logprob_rows:
-            return None
-        first, offset = [], 0
-        for p, s in zip(batch.prefix_lens, batch.seq_lens):
-            first.append(offset)
-            offset += s - p
-        index = [first[r] + st + j for r, st, ts in zip(batch.input_logprob_rows, batch.input_logprob_starts,
-                                                        batch.input_logprob_targets) for j in range(len(ts))]
-        return torch.tensor(index, dtype=torch.int64, device=self.device)
-
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Store the step's slots, run the model: float32 logits [B, vocab] of
         each row's last token, then those of the prompt positions asked for
         (input_logprob_rows)."""
+        return self._run(self.prepare(batch))
+
+    def prepare(self, batch: ForwardBatch) -> StepInputs:
+        """The step's inputs, built once (model_proc/step_inputs.py), with its
+        slots written into req_to_token: the scheduler decides every slot, this
+        table follows (after the rows the scheduler rewrote, table_rows, took
+        their new prefixes)."""
         self.check_batch(batch)
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
-        if FUTURE_TOKEN in batch.input_ids:
-            # a row's token still in flight in the scheduler (overlap): a decode
-            # step's, or a running row's inside a mixed extend (one new token)
-            rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=self.device)
-            if batch.forward_mode == "extend":
-                rows = rows.repeat_interleave(torch.tensor(batch.seq_lens) - torch.tensor(batch.prefix_lens))
-            input_ids = torch.where(input_ids == FUTURE_TOKEN, self.last_sampled[rows], input_ids)
-        out_cache_loc = torch.tensor(batch.out_cache_loc, dtype=torch.int64, device=self.device)
-        positions = self._update_req_to_token(batch, out_cache_loc)
-        meta = self.attn_backend.init_forward_metadata(batch, out_cache_loc)
-        return self.model(input_ids, positions, meta, self._input_logprob_index(batch))
+        inputs = self.step_inputs.build(batch)
+        if inputs.table_rewrite is not None:
+            self._rewrite_rows(*inputs.table_rewrite)
+        self.req_to_token.table[inputs.token_rows, inputs.positions] = inputs.out_cache_loc.to(torch.int32)
+        return inputs
 
-    def _update_req_to_token(self, batch: ForwardBatch, out_cache_loc: torch.Tensor) -> torch.Tensor:
-        """req_to_token[row, prefix:seq_len] = the new slots, after the rows the
-        scheduler rewrote (table_rows) took their new prefixes: the scheduler
-        decides every slot, this table follows. Returns the new tokens'
-        positions."""
-        dev = self.device
-        if batch.table_rows:
-            self._rewrite_rows(batch)
-        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=dev)
-        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=dev)
-        if batch.forward_mode == "decode":
-            positions, token_rows = seq_lens - 1, rows
-        else:
-            prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=dev)
-            ext = seq_lens - prefix
-            num_tokens = len(batch.input_ids)
-            row_of = torch.repeat_interleave(torch.arange(len(rows), device=dev), ext, output_size=num_tokens)
-            first = torch.cumsum(ext, 0) - ext  # flat index of each row's first new token
-            positions = torch.arange(num_tokens, device=dev) - (first - prefix)[row_of]
-            token_rows = rows[row_of]
-        self.req_to_token.table[token_rows, positions] = out_cache_loc.to(torch.int32)
-        return positions
+    def _run(self, inputs: StepInputs) -> torch.Tensor:
+        meta = self.attn_backend.init_forward_metadata(inputs)
+        return self.model(inputs.input_ids, inputs.positions, meta, inputs.input_logprob_index)
 
-    def _rewrite_rows(self, batch: ForwardBatch) -> None:
+    def _rewrite_rows(self, rows: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], :lens[i]] = the next lens[i] of the flat slots."""
         dev = self.device
-        rows = torch.tensor(batch.table_rows, dtype=torch.int64, device=dev)
-        lens = torch.tensor(batch.table_lens, dtype=torch.int64, device=dev)
-        n = len(batch.table_slots)
-        row_of = torch.repeat_interleave(torch.arange(len(rows), device=dev), lens, output_size=n)
+        n = slots.numel()
+        row_of = torch.repeat_interleave(torch.arange(rows.numel(), device=dev), lens, output_size=n)
         first = torch.cumsum(lens, 0) - lens
         positions = torch.arange(n, device=dev) - first[row_of]
-        self.req_to_token.table[rows[row_of], positions] = torch.tensor(
-            batch.table_slots, dtype=torch.int32, device=dev)
+        self.req_to_token.table[rows[row_of], positions] = slots.to(torch.int32)
 
     def check_batch(self, b: ForwardBatch) -> None:
         """O(batch) sanity checks: a malformed batch is a scheduler bug, and
@@ -237,14 +210,21 @@ class ModelRunner:
         per_row = (b.seq_lens, b.temperatures, b.top_ps, b.top_ks, b.min_ps, b.seeds, b.sample_steps)
         if bs == 0 or any(len(x) != bs for x in per_row):
             raise ValueError(f"ForwardBatch: inconsistent row count {bs} vs {[len(x) for x in per_row]}")
-        if b.forward_mode == "decode":
+        try:
+            mode = ForwardMode(b.forward_mode)
+        except ValueError:
+            raise ValueError(f"ForwardBatch: unknown forward_mode {b.forward_mode!r}") from None
+        if mode.is_decode():
             num_new = bs
-        elif b.forward_mode == "extend":
+        else:
             if len(b.prefix_lens) != bs or any(not 0 <= p < s for p, s in zip(b.prefix_lens, b.seq_lens)):
                 raise ValueError("ForwardBatch: extend needs 0 <= prefix_len < seq_len per row")
             num_new = sum(b.seq_lens) - sum(b.prefix_lens)
-        else:
-            raise ValueError(f"ForwardBatch: unknown forward_mode {b.forward_mode!r}")
+        if mode.is_mixed() and (not 0 < b.decode_rows <= bs or any(
+                s - p != 1 for s, p in zip(b.seq_lens[bs - b.decode_rows:], b.prefix_lens[bs - b.decode_rows:]))):
+            raise ValueError("ForwardBatch: a mixed step needs 0 < decode_rows <= rows, each of one new token")
+        if not mode.is_mixed() and b.decode_rows:
+            raise ValueError("ForwardBatch: decode_rows outside a mixed step")
         if len(b.input_ids) != num_new or len(b.out_cache_loc) != num_new:
             raise ValueError(f"ForwardBatch: {num_new} new tokens but {len(b.input_ids)} input_ids, "
                              f"{len(b.out_cache_loc)} out_cache_loc")
@@ -261,12 +241,9 @@ class ModelRunner:
             raise ValueError("ForwardBatch: table_rows/table_lens/table_slots are inconsistent")
         if min(b.input_ids) < FUTURE_TOKEN or max(b.input_ids) >= self.model_config.vocab_size:
             raise ValueError("ForwardBatch: input_ids outside the vocabulary")
-        if b.forward_mode == "extend" and FUTURE_TOKEN in b.input_ids:
-            at = 0  # the token sampled last stands only for a running row's one new token
-            for s, p in zip(b.seq_lens, b.prefix_lens):
-                if s - p > 1 and FUTURE_TOKEN in b.input_ids[at:s - p + at]:
-                    raise ValueError("ForwardBatch: FUTURE_TOKEN in an extend row of more than one token")
-                at += s - p
+        if mode.is_extend() and FUTURE_TOKEN in b.input_ids[:num_new - b.decode_rows]:
+            # the token sampled last stands only for a decoding row's one new token
+            raise ValueError("ForwardBatch: FUTURE_TOKEN in an extend row (only a decoding row may have it)")
         if b.penalty_rows or b.penalty_inits:
             self._check_penalties(b, bs)
         if b.input_logprob_rows:
@@ -279,7 +256,7 @@ class ModelRunner:
 
     def _check_input_logprobs(self, b: ForwardBatch, bs: int) -> None:
         vocab = self.model_config.vocab_size
-        if b.forward_mode != "extend" or len(b.input_logprob_starts) != len(b.input_logprob_rows) \
+        if not ForwardMode(b.forward_mode).is_extend() or len(b.input_logprob_starts) != len(b.input_logprob_rows) \
                 or len(b.input_logprob_targets) != len(b.input_logprob_rows) \
                 or len(set(b.input_logprob_rows)) != len(b.input_logprob_rows):
             raise ValueError("ForwardBatch: input_logprob_rows/starts/targets are inconsistent")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 
+from common.messages import ForwardMode
+
 logger = logging.getLogger(__name__)
 
 LOG_INTERVAL = 40  # counted cycles between log lines, as the scheduler's "Decode batch." line
@@ -30,9 +32,10 @@ class DecodeStepStats:
         self.min_rows = 1 << 30
         self.max_rows = 0
 
-    def record(self, mode: str, rows: int, start: float, forward_s: float) -> None:
+    def record(self, mode: ForwardMode, rows: int, start: float, forward_s: float) -> None:
         """Called once per forward, with its start time and duration."""
-        if mode == "decode" and self.prev is not None:
+        decode = mode is ForwardMode.DECODE
+        if decode and self.prev is not None:
             prev_start, prev_forward, prev_rows = self.prev
             self.steps += 1
             self.forward_s += prev_forward
@@ -41,10 +44,10 @@ class DecodeStepStats:
             self.max_rows = max(self.max_rows, prev_rows)
             if self.steps == self.interval:
                 self.log()
-        self.prev = (start, forward_s, rows) if mode == "decode" else None
+        self.prev = (start, forward_s, rows) if decode else None
 
     def log(self) -> None:
-        # parsed by bench/step_bench.py: keep the wording
+        # parsed by bench/micro/step_bench.py: keep the wording
         logger.debug(
             "Model decode steps: %d, #rows: %d-%d, forward ms/step: %.2f, step ms: %.2f, "
             "outside forward: %.1f%%", self.steps, self.min_rows, self.max_rows,

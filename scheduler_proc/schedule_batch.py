@@ -183,7 +183,8 @@ class ScheduleBatch:
     def mix_with_running(self, running: "ScheduleBatch") -> None:
         """Append the running batch, prepared for its decode step, as extend
         rows of one new token each (its FUTURE_TOKEN inputs included: the model
-        resolves them per row)."""
+        resolves them per row). The step goes out as ForwardMode.MIXED, with
+        these rows as its `decode_rows`."""
         assert self.forward_mode is ForwardMode.EXTEND and running.forward_mode is ForwardMode.DECODE
         self.decode_from = len(self.reqs)
         self.prefix_lens = self.prefix_lens + [n - 1 for n in running.seq_lens]
@@ -234,8 +235,11 @@ class ScheduleBatch:
     def to_forward_batch(self) -> ForwardBatch:
         seq_lens = self.seq_lens
         grammar_rows = self.grammar_rows(seq_lens)
+        decode_rows = len(self.reqs) - self.decode_from
+        mixed = self.forward_mode is ForwardMode.EXTEND and decode_rows > 0
         return ForwardBatch(
-            forward_mode=self.forward_mode,
+            forward_mode=ForwardMode.MIXED if mixed else self.forward_mode,
+            decode_rows=decode_rows if mixed else 0,
             req_pool_indices=self.req_pool_indices.tolist(),
             seq_lens=seq_lens,
             prefix_lens=self.prefix_lens,

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from common.messages import ForwardMode
+
 TINY_CONFIG: dict[str, Any] = dict(
     hidden_size=64,
     num_hidden_layers=2,
@@ -142,27 +144,29 @@ class RunnerDriver:
         assert len(out) == n, "test KV pool too small"
         return out
 
-    def extend(self, rows: list[int], new_tokens: list[list[int]], **sampling: Any) -> Any:
-        """Rows continue from whatever they already hold in the pool."""
+    def extend(self, rows: list[int], new_tokens: list[list[int]], decode_rows: int = 0, **sampling: Any) -> Any:
+        """Rows continue from whatever they already hold in the pool.
+        decode_rows: a mixed step, whose last rows decode one token each."""
         prefix = [self.seq_lens[r] for r in rows]
         for r, toks in zip(rows, new_tokens):
             self.seq_lens[r] += len(toks)
         flat = [t for toks in new_tokens for t in toks]
-        return self._batch("extend", rows, prefix, flat, **sampling)
+        mode = ForwardMode.MIXED if decode_rows else ForwardMode.EXTEND
+        return self._batch(mode, rows, prefix, flat, decode_rows=decode_rows, **sampling)
 
     def decode(self, rows: list[int], tokens: list[int], **sampling: Any) -> Any:
         for r in rows:
             self.seq_lens[r] += 1
-        return self._batch("decode", rows, [], list(tokens), **sampling)
+        return self._batch(ForwardMode.DECODE, rows, [], list(tokens), **sampling)
 
-    def _batch(self, mode: str, rows: list[int], prefix: list[int], flat: list[int],
-               temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
+    def _batch(self, mode: ForwardMode, rows: list[int], prefix: list[int], flat: list[int],
+               decode_rows: int = 0, temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
                min_p: float = 0.0, seed: int = -1) -> Any:
         from common.messages import ForwardBatch
 
         n = len(rows)
         batch = ForwardBatch(
-            forward_mode=mode, req_pool_indices=list(rows),
+            forward_mode=mode, decode_rows=decode_rows, req_pool_indices=list(rows),
             seq_lens=[self.seq_lens[r] for r in rows], prefix_lens=prefix,
             input_ids=flat, out_cache_loc=self._slots(len(flat)),
             temperatures=[temperature] * n, top_ps=[top_p] * n, top_ks=[top_k] * n,
@@ -195,3 +199,13 @@ class RunnerDriver:
         for t in answer[:-1]:
             out.append(self.runner.compute_logits(self.decode([row], [t]))[0])
         return torch.stack(out)
+
+
+def step_inputs(batch: Any, table: torch.Tensor, loc: torch.Tensor) -> Any:
+    """A backend's input without a runner: the batch's StepInputs with its new
+    tokens at the slots `loc` (which the caller wrote into `table`)."""
+    import msgspec
+
+    from model_proc.step_inputs import build_step_inputs
+
+    return build_step_inputs(msgspec.structs.replace(batch, out_cache_loc=loc.tolist()), table)

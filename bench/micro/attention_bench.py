@@ -51,7 +51,7 @@ from typing import Any, Callable
 
 import torch
 
-from common.messages import ForwardBatch
+from common.messages import ForwardBatch, ForwardMode
 from common.server_args import ServerArgs, default_model_path
 from bench.lib.kv_layout import SERVER_PAGE_SIZE, scattered_pages
 from bench.lib.machine_rates import read_bandwidth
@@ -127,7 +127,7 @@ def decode_batch(runner: ModelRunner, batch: int, context: int, page_size: int =
     last = table[1:batch + 1, context - 1].tolist()  # the new token's slot
     ids = torch.randint(0, runner.model_config.vocab_size, (batch,), generator=gen).tolist()
     return ForwardBatch(
-        forward_mode="decode", req_pool_indices=list(range(1, batch + 1)), seq_lens=[context] * batch,
+        forward_mode=ForwardMode.DECODE, req_pool_indices=list(range(1, batch + 1)), seq_lens=[context] * batch,
         prefix_lens=[], input_ids=ids, out_cache_loc=last, temperatures=[0.0] * batch,
         top_ps=[1.0] * batch, top_ks=[-1] * batch, min_ps=[0.0] * batch, seeds=[-1] * batch,
         sample_steps=[0] * batch)

@@ -24,7 +24,7 @@ import time
 import torch
 
 from bench.micro.step_bench import decode_batch, fill_pool
-from common.messages import ForwardBatch
+from common.messages import ForwardBatch, ForwardMode
 from common.server_args import ServerArgs, default_model_path
 from model_proc.runner import ModelRunner
 
@@ -38,7 +38,7 @@ def make_runner(dtype: str, deterministic: bool, rows: int, context: int, pool: 
 def prefill_batch(runner: ModelRunner, tokens: int, gen: torch.Generator) -> ForwardBatch:
     row = runner.server_args.max_running_requests  # a row no decode case uses
     return ForwardBatch(
-        forward_mode="extend", req_pool_indices=[row], seq_lens=[tokens], prefix_lens=[0],
+        forward_mode=ForwardMode.EXTEND, req_pool_indices=[row], seq_lens=[tokens], prefix_lens=[0],
         input_ids=torch.randint(3, runner.model_config.vocab_size, (tokens,), generator=gen).tolist(),
         out_cache_loc=(torch.randperm(runner.kv_pool.size, generator=gen)[:tokens] + 1).tolist(),
         temperatures=[0.0], top_ps=[1.0], top_ks=[-1], min_ps=[0.0], seeds=[-1], sample_steps=[0])

@@ -46,8 +46,10 @@ import torch.nn.functional as F
 
 from bench.lib.machine_rates import matmul_rate
 from bench.lib.run_record import LoadAverage, RECORDS_DIR, record_run
-from common.messages import ForwardBatch
+from common.messages import ForwardBatch, ForwardMode
 from common.server_args import ServerArgs, default_model_path
+from model_proc.attention import AttentionBackend
+from model_proc.attention.native import NativeAttnBackend
 from model_proc.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata
 from model_proc.model import LlamaForCausalLM
 from model_proc.runner import ModelRunner
@@ -81,10 +83,18 @@ def extend_masked(backend: TorchAttnBackend, q: torch.Tensor, k: torch.Tensor, v
     return out
 
 
+def torch_extend_backend(backend: AttentionBackend) -> TorchAttnBackend:
+    """The torch backend whose extend the torch path runs: the backend itself,
+    or the one a native backend holds."""
+    found = backend.torch if isinstance(backend, NativeAttnBackend) else backend
+    assert isinstance(found, TorchAttnBackend)
+    return found
+
+
 def extend_batch(prompt: list[int], p: int, n: int) -> ForwardBatch:
     """Prompt tokens p..p+n as one extend on slots p+1..p+n of table row 1."""
     return ForwardBatch(
-        forward_mode="extend", req_pool_indices=[1], seq_lens=[p + n], prefix_lens=[p],
+        forward_mode=ForwardMode.EXTEND, req_pool_indices=[1], seq_lens=[p + n], prefix_lens=[p],
         input_ids=prompt[p:p + n], out_cache_loc=list(range(p + 1, p + n + 1)), temperatures=[0.0],
         top_ps=[1.0], top_ks=[-1], min_ps=[0.0], seeds=[-1], sample_steps=[0])
 
@@ -101,10 +111,11 @@ def seconds_of(runner: ModelRunner, batches: list[ForwardBatch], way: str) -> fl
     extend) or "before" (extend_masked)."""
     backend = runner.attn_backend
     native = getattr(backend, "native_extend", None)  # NativeAttnBackend only
+    torch_backend = torch_extend_backend(backend)
     if way != "now" and native is not None:
         backend.native_extend = way == "op"
     if way == "before":
-        backend._extend = extend_masked.__get__(backend)  # type: ignore[method-assign]
+        torch_backend._extend = extend_masked.__get__(torch_backend)  # type: ignore[method-assign]
     # every way runs the model's modules layer by layer, so that only their
     # attention differs (a server's steps take the native decoder, the same
     # ops in one native call where the extend is the op's)
@@ -116,7 +127,7 @@ def seconds_of(runner: ModelRunner, batches: list[ForwardBatch], way: str) -> fl
         return time.perf_counter() - start
     finally:
         LlamaForCausalLM.use_native_decoder = True
-        backend.__dict__.pop("_extend", None)
+        torch_backend.__dict__.pop("_extend", None)
         if native is not None:
             backend.native_extend = native
 
@@ -161,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     server_args = ServerArgs(model_path=path, dtype=args.dtype, attention_backend=args.attention_backend,
                              max_running_requests=1, context_length=args.prompt, max_total_tokens=args.prompt)
     runner = ModelRunner(server_args)
-    assert isinstance(runner.attn_backend, TorchAttnBackend)  # the native backend extends it
+    torch_extend_backend(runner.attn_backend)  # the torch or native backend (which holds a torch one)
     cfg = runner.model_config
     dtype = runner.kv_pool.k_buffer[0].dtype
     runner.req_to_token.table[1, :args.prompt] = torch.arange(1, args.prompt + 1, dtype=torch.int32)

@@ -85,7 +85,7 @@ from bench.lib.kv_layout import SERVER_PAGE_SIZE, scattered_pages
 from bench.lib.machine_rates import matmul_rate, read_bandwidth, timed_calls
 from bench.lib.run_record import LoadAverage, record_run
 from common.cpu_runtime import CpuAllocator, allocator_preload, preloaded_allocator, with_omp_spin, with_preload
-from common.messages import ForwardBatch
+from common.messages import ForwardBatch, ForwardMode
 from common.server_args import ServerArgs, default_model_path
 from model_proc.dtypes import resolve_dtype
 from model_proc.kv_cache import mem_available_bytes
@@ -161,7 +161,7 @@ def decode_batch(runner: ModelRunner, batch: int, context: int, gen: torch.Gener
     table = runner.req_to_token.table
     table[1:batch + 1, :context] = scattered_pages(batch, context, runner.kv_pool.size, page_size, gen)
     return ForwardBatch(
-        forward_mode="decode", req_pool_indices=list(range(1, batch + 1)), seq_lens=[context] * batch,
+        forward_mode=ForwardMode.DECODE, req_pool_indices=list(range(1, batch + 1)), seq_lens=[context] * batch,
         prefix_lens=[], input_ids=torch.randint(3, runner.model_config.vocab_size, (batch,), generator=gen).tolist(),
         out_cache_loc=table[1:batch + 1, context - 1].tolist(), temperatures=[0.0] * batch,
         top_ps=[1.0] * batch, top_ks=[-1] * batch, min_ps=[0.0] * batch, seeds=[-1] * batch,

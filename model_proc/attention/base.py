@@ -1,14 +1,15 @@
 """What every attention backend is: `init_forward_metadata` once per step
-(index tensors built from the ForwardBatch and `req_to_token`), `forward` in
-every layer (store the new K/V into their slots, then attend). The model sees
-only this interface.
+(from the step's StepInputs, after the runner wrote the step's slots into
+`req_to_token`), `forward` in every layer (store the new K/V into their
+slots, then attend). The model sees only this interface.
 
-Layout of the common metadata (B rows, T new tokens):
+The common metadata is the step's StepInputs (model_proc/step_inputs.py;
+B rows, T new tokens, all index tensors int64):
   qo_indptr  [B+1]  row i's new tokens are q[qo_indptr[i]:qo_indptr[i+1]]
   kv_indptr  [B+1]  row i's whole KV (prefix + new) is
   kv_indices [sum seq_lens]   kv_indices[kv_indptr[i]:kv_indptr[i+1]] (slots)
-  (all index tensors are int64)
   seq_lens, prefix_lens [B]; out_cache_loc [T] (slot of every new token)
+A backend's metadata adds what its kernels need on top.
 """
 
 from __future__ import annotations
@@ -18,24 +19,45 @@ from dataclasses import dataclass
 
 import torch
 
-from common.messages import ForwardBatch
 from model_proc.kv_cache import KVPool, ReqToTokenTable
+from model_proc.step_inputs import StepInputs
 
 
 @dataclass
 class AttentionMetadata:
-    forward_mode: str  # "extend" or "decode"
-    batch_size: int
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    seq_lens: torch.Tensor
-    prefix_lens: torch.Tensor
-    out_cache_loc: torch.Tensor
+    inputs: StepInputs  # the step's (or one part's, in a mixed step split by the native backend)
 
     @property
     def is_decode(self) -> bool:
-        return self.forward_mode == "decode"
+        return self.inputs.is_decode
+
+    @property
+    def batch_size(self) -> int:
+        return self.inputs.batch_size
+
+    @property
+    def qo_indptr(self) -> torch.Tensor:
+        return self.inputs.qo_indptr
+
+    @property
+    def kv_indptr(self) -> torch.Tensor:
+        return self.inputs.kv_indptr
+
+    @property
+    def kv_indices(self) -> torch.Tensor:
+        return self.inputs.kv_indices
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.inputs.seq_lens
+
+    @property
+    def prefix_lens(self) -> torch.Tensor:
+        return self.inputs.prefix_lens
+
+    @property
+    def out_cache_loc(self) -> torch.Tensor:
+        return self.inputs.out_cache_loc
 
 
 class AttentionBackend(ABC):
@@ -45,7 +67,7 @@ class AttentionBackend(ABC):
         self.scale = scale
 
     @abstractmethod
-    def init_forward_metadata(self, batch: ForwardBatch, out_cache_loc: torch.Tensor) -> AttentionMetadata:
+    def init_forward_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         """Called once per step, after the runner wrote this step's slots into
         `req_to_token`."""
 
@@ -53,18 +75,3 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q [T, q_heads, D], k/v [T, kv_heads, D] of the new tokens -> [T, q_heads, D]."""
-
-
-def indptr(lens: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
-    torch.cumsum(lens, 0, out=out[1:])
-    return out
-
-
-def gather_kv_indices(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                      kv_indptr: torch.Tensor, total: int) -> torch.Tensor:
-    """Concatenate table[rows[i], :seq_lens[i]] over rows, without a Python loop."""
-    row_of = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), seq_lens,
-                                     output_size=total)
-    col = torch.arange(total, device=rows.device) - kv_indptr[:-1][row_of]
-    return table[rows[row_of], col].to(torch.int64)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.messages import ForwardBatch
-from model_proc.attention.base import AttentionBackend, AttentionMetadata, gather_kv_indices, indptr
+from model_proc.attention.base import AttentionBackend, AttentionMetadata
+from model_proc.step_inputs import StepInputs
 
 # Keys per attention tile. A multiple of 32 floats: exp's input is then whole
 # vectors (and so is each thread's half of it), so no element of a query's
@@ -109,18 +109,13 @@ class BatchInvariantAttnBackend(AttentionBackend):
     # a chunk stays in the cache from the gather to the matmuls)
     decode_chunk_bytes = 8 << 20
 
-    def init_forward_metadata(self, batch: ForwardBatch,
-                              out_cache_loc: torch.Tensor) -> BatchInvariantAttnMetadata:
-        device = out_cache_loc.device
+    def init_forward_metadata(self, inputs: StepInputs) -> BatchInvariantAttnMetadata:
         table = self.req_to_token.table
         k_buf = self.kv_pool.k_buffer[0]
-        bs = len(batch.seq_lens)
-        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=device)
-        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=device)
-        kv_indptr = indptr(seq_lens)
-        kv_indices = gather_kv_indices(table, rows, seq_lens, kv_indptr, sum(batch.seq_lens))
-        if batch.forward_mode == "decode":
-            max_len = max(batch.seq_lens)
+        bs, rows, seq_lens = inputs.batch_size, inputs.req_pool_indices, inputs.seq_lens
+        device = rows.device
+        if inputs.is_decode:
+            max_len = inputs.max_seq_len
             tiles = -(-max_len // KV_BLOCK)
             cols = torch.arange(tiles * KV_BLOCK, device=device)
             masked = cols[None, :] >= seq_lens[:, None]  # [B, tiles * KV_BLOCK]
@@ -134,17 +129,13 @@ class BatchInvariantAttnBackend(AttentionBackend):
             chunks = [DecodeChunk(r0, min(bs, r0 + step), slots[:, r0:r0 + step].reshape(-1),
                                   masked[:, r0:r0 + step])
                       for r0 in range(0, bs, step)]
-            return BatchInvariantAttnMetadata(
-                forward_mode="decode", batch_size=bs,
-                qo_indptr=torch.arange(bs + 1, dtype=torch.int64, device=device),
-                kv_indptr=kv_indptr, kv_indices=kv_indices, seq_lens=seq_lens,
-                prefix_lens=seq_lens - 1, out_cache_loc=out_cache_loc,
-                num_tiles=tiles, decode_chunks=chunks)
+            return BatchInvariantAttnMetadata(inputs, num_tiles=tiles, decode_chunks=chunks)
 
-        prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
+        # EXTEND, and MIXED (its decoding rows are extend rows of one token here:
+        # the same per-query computation as decode)
         extend_rows = []
         q0 = 0
-        for row, s, p in zip(batch.req_pool_indices, batch.seq_lens, batch.prefix_lens):
+        for row, s, p in zip(rows.tolist(), inputs.seq_lens_host, inputs.prefix_lens_host):
             n = s - p
             row_slots = torch.zeros(-(-s // KV_BLOCK) * KV_BLOCK, dtype=torch.int64, device=device)
             row_slots[:s] = table[row, :s]
@@ -159,11 +150,7 @@ class BatchInvariantAttnBackend(AttentionBackend):
                 chunks.append(ExtendChunk(c0, c1, tiles, masked))
             extend_rows.append((q0, row_slots, chunks))
             q0 += n
-        return BatchInvariantAttnMetadata(
-            forward_mode="extend", batch_size=bs,
-            qo_indptr=indptr(seq_lens - prefix_lens), kv_indptr=kv_indptr, kv_indices=kv_indices,
-            seq_lens=seq_lens, prefix_lens=prefix_lens, out_cache_loc=out_cache_loc,
-            extend_rows=extend_rows)
+        return BatchInvariantAttnMetadata(inputs, extend_rows=extend_rows)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: BatchInvariantAttnMetadata) -> torch.Tensor:

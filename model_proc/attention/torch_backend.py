@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.messages import ForwardBatch
-from model_proc.attention.base import AttentionBackend, AttentionMetadata, gather_kv_indices, indptr
+from model_proc.attention.base import AttentionBackend, AttentionMetadata
 from model_proc.kv_cache import KVPool, ReqToTokenTable
+from model_proc.step_inputs import StepInputs
 
 
 @dataclass
@@ -31,9 +31,9 @@ class GatherWorkspace:
     extend row's prefix.
 
     A fresh [rows * max_len, kv_heads, D] tensor per layer is a new large
-    allocation each time, and on CPU its first touch page-faults: at batch 64
-    the attention time was about 2.5x that of `index_select(out=)` into
-    memory already mapped (bench/RESULTS.md). So one K and one V buffer live
+    allocation each time, and on CPU its first touch page-faults: far slower
+    than `index_select(out=)` into memory already mapped (bench/RESULTS.md,
+    "Decode step: attention share (torch backend)"). So one K and one V buffer live
     as long as the backend, grown when a step needs more; every layer and
     every step writes into them. Decode chunking bounds their size (about
     `decode_chunk_bytes`, or one row if a row is bigger); an extend needs its
@@ -63,52 +63,37 @@ class TorchAttnBackend(AttentionBackend):
     the reused workspace and runs one padded, masked SDPA per chunk of rows
     (the whole batch unless it is big). Gathering every layer's pages once per
     step instead would move the same bytes (each layer's pages differ) and
-    hold num_layers times the workspace; measured no faster (bench/RESULTS.md).
+    hold num_layers times the workspace; measured no faster.
     """
 
     # K + V gathered per SDPA call. A big batch goes in chunks of rows that
     # stay in the last-level cache from the gather until SDPA reads them:
-    # 20-30% less attention time at batch 64 than one batch-wide gather
-    # (bench/RESULTS.md). A chunk is never less than one row.
+    # less attention time than one batch-wide gather (bench/RESULTS.md,
+    # "Decode step: attention share (torch backend)"). A chunk is never less
+    # than one row.
     decode_chunk_bytes = 8 << 20
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float) -> None:
         super().__init__(kv_pool, req_to_token, scale)
         self.workspace = GatherWorkspace()
 
-    def init_forward_metadata(self, batch: ForwardBatch, out_cache_loc: torch.Tensor) -> TorchAttnMetadata:
-        device = out_cache_loc.device
-        table = self.req_to_token.table
-        bs = len(batch.seq_lens)
-        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=device)
-        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=device)
-        kv_indptr = indptr(seq_lens)
-        total_kv = sum(batch.seq_lens)
-        if batch.forward_mode == "decode":
-            max_len = max(batch.seq_lens)
-            cols = torch.arange(max_len, device=device)
-            valid = cols[None, :] < seq_lens[:, None]
-            slots = table[rows, :max_len].to(torch.int64).masked_fill_(~valid, 0)
-            return TorchAttnMetadata(
-                forward_mode="decode", batch_size=bs,
-                qo_indptr=torch.arange(bs + 1, dtype=torch.int64, device=device),
-                kv_indptr=kv_indptr, kv_indices=slots[valid], seq_lens=seq_lens,
-                prefix_lens=seq_lens - 1, out_cache_loc=out_cache_loc,
-                decode_slots=slots.flatten(), decode_mask=valid[:, None, None, :], max_len=max_len)
-
-        prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
+    def init_forward_metadata(self, inputs: StepInputs) -> TorchAttnMetadata:
+        if inputs.is_decode:
+            max_len = inputs.max_seq_len
+            cols = torch.arange(max_len, device=inputs.seq_lens.device)
+            valid = cols[None, :] < inputs.seq_lens[:, None]
+            slots = self.req_to_token.table[inputs.req_pool_indices, :max_len].to(torch.int64).masked_fill_(~valid, 0)
+            return TorchAttnMetadata(inputs, decode_slots=slots.flatten(), decode_mask=valid[:, None, None, :],
+                                     max_len=max_len)
+        # EXTEND, and MIXED (its decoding rows are extend rows of one token here)
+        inputs.kv_indices  # gathered here, once per step, rather than by the first layer
         qo_bounds, prefix_bounds = [], []
         q0 = k0 = 0
-        for s, p in zip(batch.seq_lens, batch.prefix_lens):
+        for s, p in zip(inputs.seq_lens_host, inputs.prefix_lens_host):
             qo_bounds.append((q0, q0 + s - p))
             prefix_bounds.append((k0, k0 + p))
             q0, k0 = q0 + s - p, k0 + s
-        return TorchAttnMetadata(
-            forward_mode="extend", batch_size=bs,
-            qo_indptr=indptr(seq_lens - prefix_lens), kv_indptr=kv_indptr,
-            kv_indices=gather_kv_indices(table, rows, seq_lens, kv_indptr, total_kv),
-            seq_lens=seq_lens, prefix_lens=prefix_lens, out_cache_loc=out_cache_loc,
-            qo_bounds=qo_bounds, prefix_bounds=prefix_bounds)
+        return TorchAttnMetadata(inputs, qo_bounds=qo_bounds, prefix_bounds=prefix_bounds)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: TorchAttnMetadata) -> torch.Tensor:
@@ -147,7 +132,7 @@ class TorchAttnBackend(AttentionBackend):
         # The query heads that share a KV head (GQA) go in as that head's
         # "query positions": one [group, max_len] score matrix per KV head, K
         # and V read once, never expanded; no causal mask applies to a decode
-        # token. About 1.3x faster than SDPA's enable_gqa at 64 x 256.
+        # token. Faster than SDPA's enable_gqa.
         group = q.shape[1] // kv_heads
         out = F.scaled_dot_product_attention(q.view(rows, kv_heads, group, head_dim), k, v,
                                              attn_mask=mask, scale=self.scale)
@@ -166,15 +151,15 @@ class TorchAttnBackend(AttentionBackend):
         over the new tokens with a plain (square) causal mask; the two partial
         results are merged by their log-sum-exp (merge_attention). The prefix
         K/V are gathered into the reused workspace (`index_select(out=)`).
-        Measured (bfloat16, python -m bench.prefill_bench, bench/RESULTS.md):
-        an 8192-token prompt in 256-token chunks 7.5 -> 6.5 s (whole: 5.6 s);
-        one 256-token step after 7936 cached tokens 0.39 -> 0.32 s.
+        Measured against the masked SDPA it replaced by
+        `python -m bench.micro.prefill_bench --before` (bench/RESULTS.md,
+        "Prefill over a cached prefix").
         """
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         out = torch.empty_like(q)
         for (q0, q1), (p0, p1) in zip(meta.qo_bounds, meta.prefix_bounds):
             # [1, heads, tokens, D]: the CPU flash kernel takes 4-d inputs only
-            # (3-d ones go to the math path: 3x slower, bench/RESULTS.md)
+            # (3-d ones go to the slower math path)
             rq, rk, rv = (x[None, q0:q1].transpose(1, 2) for x in (q, k, v))
             if p1 == p0:  # no prefix: the new tokens are the whole row
                 o = F.scaled_dot_product_attention(rq, rk, rv, is_causal=True, scale=self.scale,

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common.messages import ForwardBatch
 from model_proc.attention.base import AttentionBackend, AttentionMetadata
 from model_proc.kv_cache import KVPool, ReqToTokenTable
+from model_proc.step_inputs import StepInputs
 
 
 @dataclass
@@ -43,33 +43,21 @@ class TritonAttnBackend(AttentionBackend):
         self.extend_kernels = extend_attention
         self.kv_ops = kv_cache_ops
 
-    def init_forward_metadata(self, batch: ForwardBatch, out_cache_loc: torch.Tensor) -> TritonAttnMetadata:
-        device = out_cache_loc.device
+    def init_forward_metadata(self, inputs: StepInputs) -> TritonAttnMetadata:
         table = self.req_to_token.table
-        bs = len(batch.seq_lens)
-        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=device)
-        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=device)
-        kv_indptr = self.kv_ops.build_kv_indptr(seq_lens)
-        kv_indices = self.kv_ops.build_kv_indices(table, rows, kv_indptr, sum(batch.seq_lens))
-        if batch.forward_mode == "decode":
+        rows = inputs.req_pool_indices
+        # the kernel's kv_indices, set on the inputs for every reader
+        inputs.kv_indices = self.kv_ops.build_kv_indices(table, rows, inputs.kv_indptr, inputs.total_kv)
+        if inputs.is_decode:
             num_kv_heads = self.kv_pool.k_buffer[0].shape[1]
-            splits = self.decode_kernels.choose_num_kv_splits(bs, num_kv_heads, max(batch.seq_lens), device)
-            return TritonAttnMetadata(
-                forward_mode="decode", batch_size=bs,
-                qo_indptr=torch.arange(bs + 1, dtype=torch.int64, device=device),
-                kv_indptr=kv_indptr, kv_indices=kv_indices, seq_lens=seq_lens,
-                prefix_lens=seq_lens - 1, out_cache_loc=out_cache_loc, num_kv_splits=splits)
-
-        prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
-        prefix_indptr = self.kv_ops.build_kv_indptr(prefix_lens)
-        prefix_indices = self.kv_ops.build_kv_indices(table, rows, prefix_indptr, sum(batch.prefix_lens))
-        return TritonAttnMetadata(
-            forward_mode="extend", batch_size=bs,
-            qo_indptr=self.kv_ops.build_kv_indptr(seq_lens - prefix_lens),
-            kv_indptr=kv_indptr, kv_indices=kv_indices, seq_lens=seq_lens, prefix_lens=prefix_lens,
-            out_cache_loc=out_cache_loc,
-            max_extend_len=max(s - p for s, p in zip(batch.seq_lens, batch.prefix_lens)),
-            prefix_indptr=prefix_indptr, prefix_indices=prefix_indices)
+            splits = self.decode_kernels.choose_num_kv_splits(inputs.batch_size, num_kv_heads, inputs.max_seq_len,
+                                                              rows.device)
+            return TritonAttnMetadata(inputs, num_kv_splits=splits)
+        # EXTEND, and MIXED (its decoding rows are extend rows of one token here)
+        prefix_indptr = self.kv_ops.build_kv_indptr(inputs.prefix_lens)
+        prefix_indices = self.kv_ops.build_kv_indices(table, rows, prefix_indptr, sum(inputs.prefix_lens_host))
+        return TritonAttnMetadata(inputs, max_extend_len=max(inputs.extend_lens_host),
+                                  prefix_indptr=prefix_indptr, prefix_indices=prefix_indices)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: TritonAttnMetadata) -> torch.Tensor:

@@ -94,10 +94,9 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     2 MiB-aligned interior of a CPU tensor's memory: pages not yet touched
     then fault in 2 MiB at a time. Decode reads K/V rows at scattered slots,
     one TLB miss per row with 4 KiB pages; on 2 MiB pages the native decode
-    at 64 x 2048 (bfloat16, scattered slots) took 253 instead of 288 ms per
-    step (python -m bench.attention_bench, with and without
-    --no-huge-pages; /sys/kernel/mm/transparent_hugepage/enabled =
-    madvise, as on this machine). False where it cannot (not Linux, not
+    on scattered slots is faster (python -m bench.micro.attention_bench, with
+    and without --no-huge-pages; /sys/kernel/mm/transparent_hugepage/enabled
+    = madvise, as on this machine). False where it cannot (not Linux, not
     CPU, too small, refused); harmless then."""
     if t.device.type != "cpu" or not os.path.exists("/sys/kernel/mm/transparent_hugepage"):
         return False

@@ -18,9 +18,10 @@ import time
 
 import torch
 
-from common.messages import ForwardBatch
+from common.messages import ForwardBatch, ForwardMode
 from model_proc.attention import AttentionBackend, create_attention_backend
 from model_proc.kv_cache import KVPool, ReqToTokenTable
+from tests.helpers import step_inputs
 
 REL_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -93,7 +94,7 @@ def make_backends(hkv: int, d: int, dtype: torch.dtype, slots: int, rows: int,
 
 def batch_of(mode: str, rows: list[int], seq_lens: list[int], prefix: list[int], new: int) -> ForwardBatch:
     b = len(rows)
-    return ForwardBatch(mode, rows, seq_lens, prefix, [0] * new, [0] * new,
+    return ForwardBatch(ForwardMode(mode), rows, seq_lens, prefix, [0] * new, [0] * new,
                         [0.0] * b, [1.0] * b, [-1] * b, [0.0] * b, [-1] * b, [0] * b)
 
 
@@ -115,7 +116,7 @@ def backend_timings(quick: bool) -> None:
         v = torch.randn(bs, hkv, d, device="cuda", dtype=dtype)
         outs, times = {}, {}
         for name, be in backends.items():
-            meta = be.init_forward_metadata(batch, loc)
+            meta = be.init_forward_metadata(step_inputs(batch, be.req_to_token.table, loc))
             outs[name] = be.forward(q, k, v, 0, meta)
             times[name] = do_bench(lambda: be.forward(q, k, v, 0, meta), warmup=5, rep=40)
         check(f"decode backends agree, batch {bs} context {ctx}", rel_err(outs["triton"], outs["torch"]),
@@ -143,7 +144,7 @@ def backend_timings(quick: bool) -> None:
     v = torch.randn(t, hkv, d, device="cuda", dtype=dtype)
     outs, times = {}, {}
     for name, be in backends.items():
-        meta = be.init_forward_metadata(batch, loc)
+        meta = be.init_forward_metadata(step_inputs(batch, be.req_to_token.table, loc))
         outs[name] = be.forward(q, k, v, 0, meta)
         times[name] = do_bench(lambda: be.forward(q, k, v, 0, meta), warmup=5, rep=40)
     check("extend backends agree", rel_err(outs["triton"], outs["torch"]), REL_TOL[dtype])

@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
-from common.messages import ForwardBatch
+from common.messages import ForwardBatch, ForwardMode
 from model_proc.attention import AttentionBackend, create_attention_backend
 from model_proc.kv_cache import KVPool, ReqToTokenTable
+from tests.helpers import step_inputs
 from tests.kernels.kernel_inputs import rel_err
 
 Q_HEADS, KV_HEADS, HEAD_DIM, POOL = 6, 2, 16, 600
@@ -53,7 +54,7 @@ def fill_rows(backend: AttentionBackend, rows: list[int], lens: list[int], gen: 
 def make_batch(mode: str, rows: list[int], seq_lens: list[int], prefix_lens: list[int],
                num_new: int) -> ForwardBatch:
     b = len(rows)
-    return ForwardBatch(mode, rows, seq_lens, prefix_lens, [0] * num_new, [0] * num_new,
+    return ForwardBatch(ForwardMode(mode), rows, seq_lens, prefix_lens, [0] * num_new, [0] * num_new,
                         [0.0] * b, [1.0] * b, [-1] * b, [0.0] * b, [-1] * b, [0] * b)
 
 
@@ -67,7 +68,7 @@ def test_decode(variant: str, gen: torch.Generator) -> None:
     fill_rows(backend, rows, seq_lens, gen)
     table = backend.req_to_token.table
     loc = torch.tensor([table[r, n - 1].item() for r, n in zip(rows, seq_lens)])
-    meta = backend.init_forward_metadata(make_batch("decode", rows, seq_lens, [], len(rows)), loc)
+    meta = backend.init_forward_metadata(step_inputs(make_batch("decode", rows, seq_lens, [], len(rows)), table, loc))
     assert meta.kv_indptr.tolist() == [0, 37, 38, 338, 343, 439]
     q = torch.randn(len(rows), Q_HEADS, HEAD_DIM, generator=gen)
     k_new = torch.randn(len(rows), KV_HEADS, HEAD_DIM, generator=gen)
@@ -93,7 +94,8 @@ def test_extend_sees_prefix_in_pool_and_is_causal(name: str, gen: torch.Generato
     table = backend.req_to_token.table
     new_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
     loc = torch.cat([table[r, p:s].long() for r, s, p in zip(rows, seq_lens, prefix_lens)])
-    meta = backend.init_forward_metadata(make_batch("extend", rows, seq_lens, prefix_lens, sum(new_lens)), loc)
+    meta = backend.init_forward_metadata(step_inputs(make_batch("extend", rows, seq_lens, prefix_lens, sum(new_lens)),
+                                                     table, loc))
     assert meta.qo_indptr.tolist() == [0, 8, 14, 15, 45]
     assert meta.kv_indptr.tolist() == [0, 20, 26, 35, 365]
     t = sum(new_lens)

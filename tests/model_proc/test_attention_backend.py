@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from common.messages import ForwardBatch
+from common.messages import ForwardBatch, ForwardMode
 from model_proc.attention.torch_backend import (TorchAttnBackend, attention_with_lse, attention_with_lse_matmul,
                                                 merge_attention)
 from model_proc.kv_cache import KVPool, ReqToTokenTable
+from tests.helpers import step_inputs
 
 Q_HEADS, KV_HEADS, HEAD_DIM, POOL = 6, 2, 16, 400
 
@@ -47,7 +48,7 @@ def fill_rows(backend: TorchAttnBackend, rows: list[int], lens: list[int], gen: 
 
 def batch(mode: str, rows: list[int], seq_lens: list[int], prefix_lens: list[int], num_new: int) -> ForwardBatch:
     b = len(rows)
-    return ForwardBatch(mode, rows, seq_lens, prefix_lens, [0] * num_new, [0] * num_new,
+    return ForwardBatch(ForwardMode(mode), rows, seq_lens, prefix_lens, [0] * num_new, [0] * num_new,
                         [0.0] * b, [1.0] * b, [-1] * b, [0.0] * b, [-1] * b, [0] * b)
 
 
@@ -57,7 +58,8 @@ def test_decode_attention_equals_naive_per_row_reference():
     fill_rows(backend, rows, seq_lens, gen)
     # the new token's slot is the last one of each row (the runner writes it so)
     loc = torch.tensor([backend.req_to_token.table[r, n - 1].item() for r, n in zip(rows, seq_lens)])
-    meta = backend.init_forward_metadata(batch("decode", rows, seq_lens, [], len(rows)), loc)
+    table = backend.req_to_token.table
+    meta = backend.init_forward_metadata(step_inputs(batch("decode", rows, seq_lens, [], len(rows)), table, loc))
     q = torch.randn(len(rows), Q_HEADS, HEAD_DIM, generator=gen)
     k_new = torch.randn(len(rows), KV_HEADS, HEAD_DIM, generator=gen)
     v_new = torch.randn(len(rows), KV_HEADS, HEAD_DIM, generator=gen)
@@ -78,7 +80,8 @@ def test_extend_attention_sees_prefix_in_pool_and_is_causal():
     new_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
     loc = torch.cat([backend.req_to_token.table[r, p:s].long()
                      for r, s, p in zip(rows, seq_lens, prefix_lens)])
-    meta = backend.init_forward_metadata(batch("extend", rows, seq_lens, prefix_lens, sum(new_lens)), loc)
+    meta = backend.init_forward_metadata(step_inputs(batch("extend", rows, seq_lens, prefix_lens, sum(new_lens)),
+                                                     backend.req_to_token.table, loc))
     assert meta.qo_indptr.tolist() == [0, 8, 14, 15]
     assert meta.kv_indptr.tolist() == [0, 20, 26, 35]
     t = sum(new_lens)
@@ -100,7 +103,8 @@ def test_decode_padding_points_at_the_dummy_slot():
     backend, gen = make_backend()
     rows, seq_lens = [1, 2], [3, 7]
     fill_rows(backend, rows, seq_lens, gen)
-    meta = backend.init_forward_metadata(batch("decode", rows, seq_lens, [], 2), torch.tensor([1, 2]))
+    meta = backend.init_forward_metadata(step_inputs(batch("decode", rows, seq_lens, [], 2), backend.req_to_token.table,
+                                                     torch.tensor([1, 2])))
     slots = meta.decode_slots.view(2, 7)
     assert slots[0, 3:].tolist() == [0, 0, 0, 0]
     assert meta.decode_mask[:, 0, 0, :].sum(-1).tolist() == seq_lens

@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 
+from common.messages import ForwardMode
 from model_proc.dtypes import dtype_name, native_bfloat16, resolve_dtype
 from model_proc.step_stats import DecodeStepStats
 
@@ -30,18 +31,18 @@ def test_step_stats_count_only_decode_after_decode(caplog):
     stats = DecodeStepStats(interval=3)
     caplog.set_level(logging.DEBUG, logger="model_proc.step_stats")
     # an extend, then decode steps of 4 rows: 10 ms forward, starting 12 ms apart
-    stats.record("extend", 4, start=0.0, forward_s=0.5)
+    stats.record(ForwardMode.EXTEND, 4, start=0.0, forward_s=0.5)
     t = 1.0
     for _ in range(4):
-        stats.record("decode", 4, start=t, forward_s=0.010)
+        stats.record(ForwardMode.DECODE, 4, start=t, forward_s=0.010)
         t += 0.012
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1, lines
     assert lines[0].startswith("Model decode steps: 3, #rows: 4-4, forward ms/step: 10.00, step ms: 12.00")
     assert lines[0].endswith("outside forward: 16.7%")
     # an extend in between breaks the chain: its gap never counts as overhead
-    stats.record("extend", 1, start=50.0, forward_s=0.1)
-    stats.record("decode", 5, start=60.0, forward_s=0.01)
+    stats.record(ForwardMode.EXTEND, 1, start=50.0, forward_s=0.1)
+    stats.record(ForwardMode.DECODE, 5, start=60.0, forward_s=0.01)
     assert stats.steps == 0
 
 

@@ -11,7 +11,7 @@ import torch
 import zmq
 
 from common.ipc import PullSocket, PushSocket
-from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardResult, IpcPaths, ReadyMsg
+from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardMode, ForwardResult, IpcPaths, ReadyMsg
 from common.proc import ChildConfig, child_env
 from common.server_args import ServerArgs
 from tests.helpers import hf_greedy
@@ -46,12 +46,12 @@ def test_model_process_serves_forward_batches(model_process, tiny_llama_hf):
     assert ready.model_info.max_total_tokens == 64 and ready.model_info.eos_token_ids == [2]
 
     n = len(PROMPT)
-    batches.send(ForwardBatch("extend", [1], [n], [0], PROMPT, list(range(1, n + 1)),
+    batches.send(ForwardBatch(ForwardMode.EXTEND, [1], [n], [0], PROMPT, list(range(1, n + 1)),
                               [0.0], [1.0], [-1], [0.0], [-1], [0]))
     out = results.recv(timeout_ms=30_000)
     assert out is not None and out.forward_time > 0
     tokens = list(out.next_token_ids)
-    batches.send(ForwardBatch("decode", [1], [n + 1], [], tokens, [n + 1],
+    batches.send(ForwardBatch(ForwardMode.DECODE, [1], [n + 1], [], tokens, [n + 1],
                               [0.0], [1.0], [-1], [0.0], [-1], [1]))
     out = results.recv(timeout_ms=30_000)
     tokens += out.next_token_ids
@@ -64,10 +64,10 @@ def test_steps_sent_before_their_predecessors_result_take_the_token_sampled_last
     read, with FUTURE_TOKEN as input; the process queues them and fills it in."""
     _proc, _ready, batches, results = model_process
     n = len(PROMPT)
-    batches.send(ForwardBatch("extend", [1], [n], [0], PROMPT, list(range(1, n + 1)),
+    batches.send(ForwardBatch(ForwardMode.EXTEND, [1], [n], [0], PROMPT, list(range(1, n + 1)),
                               [0.0], [1.0], [-1], [0.0], [-1], [0]))
     for k in (1, 2):
-        batches.send(ForwardBatch("decode", [1], [n + k], [], [FUTURE_TOKEN], [n + k],
+        batches.send(ForwardBatch(ForwardMode.DECODE, [1], [n + k], [], [FUTURE_TOKEN], [n + k],
                                   [0.0], [1.0], [-1], [0.0], [-1], [k]))
     tokens = []
     for _ in range(3):
@@ -80,16 +80,16 @@ def test_steps_sent_before_their_predecessors_result_take_the_token_sampled_last
 def test_future_token_mixes_with_known_inputs_and_is_refused_in_a_prompt(
         make_runner, tiny_llama_dir):
     """FUTURE_TOKEN stands for a row's last sampled token in a decode step and
-    in an extend row of one new token (a running row inside a mixed step);
-    in an extend row of more tokens (a prompt) it is refused."""
+    in a mixed step's decoding rows (running rows of one new token each); in
+    an extend row (a prompt) it is refused."""
     runner = make_runner(tiny_llama_dir, max_total_tokens=64, max_running_requests=2)
     prompts = [[5, 6, 7], [8, 9]]
-    first = runner.forward(ForwardBatch("extend", [1, 2], [3, 2], [0, 0], prompts[0] + prompts[1],
+    first = runner.forward(ForwardBatch(ForwardMode.EXTEND, [1, 2], [3, 2], [0, 0], prompts[0] + prompts[1],
                                         [1, 2, 3, 4, 5], [0.0] * 2, [1.0] * 2, [-1] * 2,
                                         [0.0] * 2, [-1] * 2, [0, 0])).next_token_ids
 
     def decode(inputs: list[int]) -> list[int]:
-        return runner.forward(ForwardBatch("decode", [1, 2], [4, 3], [], inputs, [6, 7],
+        return runner.forward(ForwardBatch(ForwardMode.DECODE, [1, 2], [4, 3], [], inputs, [6, 7],
                                            [0.0] * 2, [1.0] * 2, [-1] * 2, [0.0] * 2, [-1] * 2,
                                            [1, 1])).next_token_ids
 
@@ -99,15 +99,16 @@ def test_future_token_mixes_with_known_inputs_and_is_refused_in_a_prompt(
     runner.last_sampled[1:3] = torch.tensor(first)
     assert decode([FUTURE_TOKEN, FUTURE_TOKEN]) == known
     runner.last_sampled[1:3] = torch.tensor(first)
-    mixed = runner.forward(ForwardBatch("extend", [1, 2], [4, 3], [3, 2], [FUTURE_TOKEN, FUTURE_TOKEN], [6, 7],
-                                        [0.0] * 2, [1.0] * 2, [-1] * 2, [0.0] * 2, [-1] * 2, [1, 1]))
+    mixed = runner.forward(ForwardBatch(ForwardMode.MIXED, [1, 2], [4, 3], [3, 2], [FUTURE_TOKEN, FUTURE_TOKEN], [6, 7],
+                                        [0.0] * 2, [1.0] * 2, [-1] * 2, [0.0] * 2, [-1] * 2, [1, 1],
+                                        decode_rows=2))
     assert mixed.next_token_ids == known
     with pytest.raises(ValueError, match="FUTURE_TOKEN"):
-        runner.forward(ForwardBatch("extend", [1], [4], [2], [first[0], FUTURE_TOKEN], [8, 9], [0.0], [1.0],
-                                    [-1], [0.0], [-1], [1]))
+        runner.forward(ForwardBatch(ForwardMode.EXTEND, [1], [4], [2], [first[0], FUTURE_TOKEN], [8, 9], [0.0],
+                                    [1.0], [-1], [0.0], [-1], [1]))
 
 
 def test_model_process_dies_on_a_bad_batch(model_process):
     proc, _ready, batches, _results = model_process
-    batches.send(ForwardBatch("decode", [1], [5], [], [1, 2], [1], [0.0], [1.0], [-1], [0.0], [-1], [0]))
+    batches.send(ForwardBatch(ForwardMode.DECODE, [1], [5], [], [1, 2], [1], [0.0], [1.0], [-1], [0.0], [-1], [0]))
     assert proc.wait(timeout=30) != 0

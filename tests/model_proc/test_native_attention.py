@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-from common.messages import ForwardBatch
+from common.messages import ForwardBatch, ForwardMode
 from model_proc import native
 from model_proc.attention import create_attention_backend
 from model_proc.attention.native import MixedAttnMetadata, NativeAttnBackend
 from model_proc.attention.torch_backend import TorchAttnBackend
 from model_proc.kv_cache import KVPool, ReqToTokenTable
-from tests.helpers import RunnerDriver
+from tests.helpers import RunnerDriver, step_inputs
 
 KV_HEADS, POOL = 2, 2600
 LENS = [1, 7, 96, 300, 2048]
@@ -56,10 +56,10 @@ def fill_rows(table: torch.Tensor, rows: list[int], lens: list[int], gen: torch.
 
 
 def make_batch(mode: str, rows: list[int], seq_lens: list[int], prefix_lens: list[int],
-               num_new: int) -> ForwardBatch:
+               num_new: int, decode_rows: int = 0) -> ForwardBatch:
     b = len(rows)
-    return ForwardBatch(mode, rows, seq_lens, prefix_lens, [0] * num_new, [0] * num_new,
-                        [0.0] * b, [1.0] * b, [-1] * b, [0.0] * b, [-1] * b, [0] * b)
+    return ForwardBatch(ForwardMode(mode), rows, seq_lens, prefix_lens, [0] * num_new, [0] * num_new,
+                        [0.0] * b, [1.0] * b, [-1] * b, [0.0] * b, [-1] * b, [0] * b, decode_rows=decode_rows)
 
 
 def run_both(ours: NativeAttnBackend, ref: TorchAttnBackend, batch: ForwardBatch, loc: torch.Tensor,
@@ -69,8 +69,9 @@ def run_both(ours: NativeAttnBackend, ref: TorchAttnBackend, batch: ForwardBatch
     q = torch.randn(t, q_heads, head_dim, generator=gen).to(dtype)
     k = torch.randn(t, KV_HEADS, head_dim, generator=gen).to(dtype)
     v = torch.randn(t, KV_HEADS, head_dim, generator=gen).to(dtype)
-    out = ours.forward(q, k, v, 0, ours.init_forward_metadata(batch, loc))
-    expected = ref.forward(q.float(), k.float(), v.float(), 0, ref.init_forward_metadata(batch, loc))
+    inputs = step_inputs(batch, ours.req_to_token.table, loc)  # the two backends share the table
+    out = ours.forward(q, k, v, 0, ours.init_forward_metadata(inputs))
+    expected = ref.forward(q.float(), k.float(), v.float(), 0, ref.init_forward_metadata(inputs))
     assert torch.equal(ours.kv_pool.k_buffer[0][loc], k)  # stored before use
     assert out.dtype == dtype and out.shape == q.shape
     return out, expected
@@ -158,7 +159,7 @@ def test_backend_without_the_op_is_the_torch_path(monkeypatch: pytest.MonkeyPatc
     assert backend.op is None
     lines = [r.getMessage() for r in caplog.records if "native attention op" in r.getMessage()]
     assert len(lines) == 1 and "no C++ compiler" in lines[0] and "torch" in lines[0]
-    assert isinstance(backend, TorchAttnBackend)
+    assert isinstance(backend.torch, TorchAttnBackend)  # every step goes to the torch backend it holds
 
 
 @needs_op
@@ -226,8 +227,8 @@ def test_mixed_step_decodes_its_one_token_rows_with_the_op(dtype: torch.dtype, e
     table = ours.req_to_token.table
     fill_rows(table, rows, seq_lens, gen)
     loc = torch.cat([table[r, p:s].long() for r, s, p in zip(rows, seq_lens, prefix_lens)])
-    batch = make_batch("extend", rows, seq_lens, prefix_lens, loc.numel())
-    meta = ours.init_forward_metadata(batch, loc)
+    batch = make_batch("mixed", rows, seq_lens, prefix_lens, loc.numel(), decode_rows=3)
+    meta = ours.init_forward_metadata(step_inputs(batch, table, loc))
     assert isinstance(meta, MixedAttnMetadata) and meta.decode.batch_size == 3
     assert (meta.extend is None) == (extend_rows == 0)
     assert torch.equal(meta.qo_indptr, torch.tensor([0, *torch.tensor(seq_lens).sub(torch.tensor(prefix_lens))

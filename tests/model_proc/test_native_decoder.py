@@ -44,8 +44,8 @@ def greedy_logits(runner: Any, steps: int) -> list[torch.Tensor]:
         step_logits = runner.compute_logits(driver.decode(rows, last))
         logits.append(step_logits)
         last = step_logits.argmax(-1).tolist()
-    for new in ([[last[0], 40, 41], [last[1]], [last[2]]], [[8], [9], [10]]):
-        step_logits = runner.compute_logits(driver.extend(rows, new))
+    for new, decode_rows in (([[last[0], 40, 41], [last[1]], [last[2]]], 2), ([[8], [9], [10]], 3)):
+        step_logits = runner.compute_logits(driver.extend(rows, new, decode_rows=decode_rows))
         logits.append(step_logits)
         last = step_logits.argmax(-1).tolist()
     return logits

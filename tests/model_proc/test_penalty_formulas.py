@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from common.messages import ForwardBatch, PenaltyInit
+from common.messages import ForwardBatch, ForwardMode, PenaltyInit
 from model_proc.penalties import PenaltyState, apply_penalties, penalty_terms
 from tests.helpers import RunnerDriver
 
@@ -76,7 +76,7 @@ def test_neutral_parameters_leave_logits_bit_identical():
 def _batch(rows: list[int], steps: list[int], penalty_rows: list[int],
            inits: list[PenaltyInit] | None = None) -> ForwardBatch:
     n = len(rows)
-    return ForwardBatch(forward_mode="decode", req_pool_indices=rows, seq_lens=[10] * n, prefix_lens=[],
+    return ForwardBatch(forward_mode=ForwardMode.DECODE, req_pool_indices=rows, seq_lens=[10] * n, prefix_lens=[],
                         input_ids=[1] * n, out_cache_loc=[1] * n, temperatures=[0.0] * n, top_ps=[1.0] * n,
                         top_ks=[-1] * n, min_ps=[0.0] * n, seeds=[-1] * n, sample_steps=steps,
                         penalty_rows=penalty_rows, penalty_inits=inits or [])

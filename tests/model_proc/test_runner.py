@@ -94,3 +94,22 @@ def test_cuda_device_without_cuda_is_a_clear_error(tiny_llama_dir, make_runner, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="--device cuda: torch sees no CUDA device"):
         make_runner(tiny_llama_dir, device="cuda", attention_backend="torch")
+
+
+def test_a_row_given_another_rows_prefix_by_the_scheduler_attends_to_those_slots(tiny_llama_dir, make_runner):
+    """table_rows/table_lens/table_slots: a request starting from KV another
+    one computed (a prefix-cache hit) extends only its own tail, and its
+    logits equal those of prefilling its whole prompt."""
+    import msgspec
+
+    runner = make_runner(tiny_llama_dir)
+    driver = RunnerDriver(runner)
+    a, b, c = driver.new_row(), driver.new_row(), driver.new_row()
+    whole = runner.compute_logits(driver.extend([a], [PROMPT]))[0]
+    runner.compute_logits(driver.extend([b], [PROMPT[:5]]))
+    shared = runner.req_to_token.table[b, :5].tolist()
+    driver.seq_lens[c] = 5  # c's first 5 tokens are b's slots, which the scheduler hands to c
+    tail = msgspec.structs.replace(driver.extend([c], [PROMPT[5:]]), table_rows=[c], table_lens=[5],
+                                   table_slots=shared)
+    torch.testing.assert_close(runner.compute_logits(tail)[0], whole, atol=1e-5, rtol=1e-5)
+    assert runner.req_to_token.table[c, :5].tolist() == shared

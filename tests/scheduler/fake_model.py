@@ -90,7 +90,7 @@ class FakeModel:
         for row, n in zip(batch.table_rows, batch.table_lens):
             self.table[row, :n] = torch.tensor(batch.table_slots[start:start + n])
             start += n
-        if batch.forward_mode == "extend":
+        if batch.forward_mode.is_extend():  # EXTEND or MIXED
             counts = [s - p for s, p in zip(batch.seq_lens, batch.prefix_lens)]
             prefixes = batch.prefix_lens
         else:

@@ -52,8 +52,8 @@ def test_running_rows_decode_inside_the_prefill_and_never_wait_for_it(overlap):
         h.sched.step()
     h.submit("bb", n_prompt=40, max_new=5)  # arrives while "a" decodes
     h.run_until_idle()
-    step = next(b for b in h.model.batches if b.forward_mode == "extend" and len(b.seq_lens) == 2)
-    assert step.seq_lens[1] - step.prefix_lens[1] == 1  # "a" decoded its next token in it
+    step = next(b for b in h.model.batches if b.forward_mode.is_mixed() and len(b.seq_lens) == 2)
+    assert step.decode_rows == 1 and step.seq_lens[1] - step.prefix_lens[1] == 1  # "a" decoded its next token in it
     if overlap:  # "a"'s input was the token still in flight
         assert step.input_ids[-1] == FUTURE_TOKEN
     assert h.tokens("a") == expected_tokens(prompt("a", 5)[-1], 20)
