@@ -5,6 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
+# The version check below reads requirements with `packaging`, which a new virtual
+# environment does not have (pip keeps its own copy private).
+"$PY" -c "import packaging" 2>/dev/null || "$PY" -m pip install -q packaging
+
 missing=$("$PY" - <<'PYEOF'
 import importlib.metadata as md, importlib.util, re, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
