@@ -21,7 +21,7 @@ from tokenizer_proc.errors import BadRequestError, ServiceUnavailableError, json
 from tokenizer_proc.generation import Generation
 from tokenizer_proc.middlewares import read_body
 from tokenizer_proc.request_spec import RequestSpec
-from tokenizer_proc.validation import check_bool, parse_json_object
+from tokenizer_proc.validation import check_bool, is_decimal, parse_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +126,8 @@ async def timeline(request: web.Request) -> web.Response:
     cursor = {}
     for name in ("after_seq", "limit"):
         raw = request.query.get(name, "0")
-        if not raw.isdigit() or len(raw) > 12:
-            raise BadRequestError(f"{name} must be a non-negative integer")
+        if not is_decimal(raw, 12):
+            raise BadRequestError(f"{name} must be a non-negative integer (ASCII digits)")
         cursor[name] = int(raw)
     try:
         reply = await request.app[MANAGER].query_scheduler(TimelineQuery, SCHEDULER_QUERY_TIMEOUT,

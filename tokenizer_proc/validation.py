@@ -12,14 +12,41 @@ from tokenizer_proc.errors import BadRequestError
 from tokenizer_proc.stop_strings import compile_stop_regex
 
 
+# Deeper JSON than this is refused: every later step (validation, repr in an
+# error message, the grammar compiler, encoding an answer) may recurse once
+# per level, and Python's recursion limit is shared by the whole stack.
+MAX_JSON_DEPTH = 128
+_TOO_DEEP = f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep"
+
+
 def parse_json_object(raw: bytes | bytearray) -> dict[str, Any]:
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
         raise BadRequestError(f"malformed JSON body: {e}") from None
+    except RecursionError:  # the decoder's own guard, at Python's recursion limit
+        raise BadRequestError(_TOO_DEEP) from None
+    # Fewer brackets than the bound cannot nest past it: most bodies skip the walk.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and json_depth(body) > MAX_JSON_DEPTH:
+        raise BadRequestError(_TOO_DEEP)
     if not isinstance(body, dict):
         raise BadRequestError("the request body must be a JSON object")
     return body
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of a decoded JSON value (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if not isinstance(v, (list, dict)):
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_JSON_DEPTH:
+            break  # deep enough to refuse: no need to read the rest
+        stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v)
+                     if isinstance(c, (list, dict)))
+    return deepest
 
 
 def is_int(v: Any) -> bool:
@@ -35,7 +62,10 @@ def check_int(name: str, v: Any) -> int:
 def check_number(name: str, v: Any) -> float:
     if not (is_int(v) or isinstance(v, float)):
         raise BadRequestError(f"{name} must be a number")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an integer with hundreds of digits
+        raise BadRequestError(f"{name} is too large: it must fit a 64-bit float") from None
 
 
 def check_bool(name: str, v: Any) -> bool:
@@ -61,6 +91,15 @@ def cache_namespace(cache_salt: str, extra_key: str) -> str:
     return cache_salt if not extra_key else f"{cache_salt}\x00{extra_key}"
 
 
+MAX_TOKEN_ID_DIGITS = 10  # a token id is below 2**31
+
+
+def is_decimal(text: Any, max_digits: int) -> bool:
+    """ASCII digits only: str.isdigit() is also true of "²" and "١", which
+    int() refuses or reads as another number."""
+    return isinstance(text, str) and 0 < len(text) <= max_digits and text.isascii() and text.isdigit()
+
+
 def check_logit_bias(name: str, v: Any, limit: float | None = None) -> dict[int, float]:
     """A JSON object token id (a string of digits, as JSON keys are) -> a
     finite number added to that token's logit (within +-limit if given)."""
@@ -68,8 +107,10 @@ def check_logit_bias(name: str, v: Any, limit: float | None = None) -> dict[int,
         raise BadRequestError(f"{name} must be an object mapping token ids to numbers")
     out: dict[int, float] = {}
     for key, bias in v.items():
-        if not (isinstance(key, str) and key.isdigit()):
-            raise BadRequestError(f"{name}: key {key!r} is not a token id")
+        if not is_decimal(key, len(key)):
+            raise BadRequestError(f"{name}: key {key[:40]!r} is not a token id")
+        if len(key) > MAX_TOKEN_ID_DIGITS:  # before int(): it refuses over 4,300 digits
+            raise BadRequestError(f"{name}: token ids must be below 2**31 (not {key[:20]}...)")
         bias = check_number(f"{name}[{key!r}]", bias)
         if not math.isfinite(bias) or (limit is not None and not -limit <= bias <= limit):
             bound = f"in [-{limit:g}, {limit:g}]" if limit is not None else "finite"

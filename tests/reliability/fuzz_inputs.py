@@ -21,6 +21,7 @@ ROUTES = [
     ("GET", "/health"), ("GET", "/health_generate"), ("GET", "/get_model_info"),
     ("GET", "/get_server_info"), ("GET", "/v1/models"), ("GET", "/v1/models/some-model"),
     ("GET", "/metrics"), ("GET", "/no/such/route"),
+    ("GET", "/timeline?limit=%C2%B2"), ("GET", "/timeline?after_seq=" + "9" * 400),
 ]
 OTHER_METHODS = ["PUT", "DELETE", "PATCH", "OPTIONS", "POST", "GET"]
 
@@ -31,19 +32,23 @@ AWKWARD: list[Any] = [
     "\ud800", "\U0001f600" * 3, "<|im_end|>", "x" * 5000, [], [1], [0, 1, 2], [-1], [2**64],
     [[1, 2]], [[]], ["a", "b"], [None], {}, {"a": 1}, {"type": "text"},
     list(range(200)), ["Hello", "World"],
+    10**400, -10**400, "\u00b2", {"\u00b2": 1.0}, {"1" * 5000: 1.0}, {"5": 10**400},
 ]
 # JSON texts json.dumps cannot produce (non-standard numbers, overflow)
 RAW_JSON_SNIPPETS = ["NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1" * 400, "0x10", "01"]
+NESTING_DEPTHS = [129, 1_000, 5_000, 100_000]  # past the front end's bound, and past Python's recursion
 
 GENERATE_FIELDS = ["text", "input_ids", "sampling_params", "stream", "rid", "return_logprob",
                    "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs", "extra"]
 SAMPLING_FIELDS = ["max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
-                   "stop_token_ids", "ignore_eos", "skip_special_tokens", "n", "seed", "bogus"]
+                   "stop_token_ids", "ignore_eos", "skip_special_tokens", "n", "seed", "bogus",
+                   "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias"]
 OPENAI_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens",
                  "temperature", "top_p", "n", "stream", "stream_options", "stop", "logprobs",
                  "top_logprobs", "seed", "frequency_penalty", "presence_penalty", "logit_bias",
                  "echo", "best_of", "suffix", "user", "response_format", "tools", "tool_choice",
-                 "top_k", "min_p", "ignore_eos", "stop_token_ids", "skip_special_tokens"]
+                 "top_k", "min_p", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+                 "repetition_penalty", "timeout"]
 MESSAGE_FIELDS = ["role", "content", "name"]
 
 
@@ -157,6 +162,16 @@ def dumps(rng: random.Random, obj: Any) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
+def deeply_nested(rng: random.Random, path: str) -> bytes:
+    """JSON nested past every bound: the whole body, or one field of a valid body."""
+    depth = rng.choice(NESTING_DEPTHS)
+    opener, closer = rng.choice([("[", "]"), ('{"a":', "}")])
+    inner = opener * depth + "1" + closer * depth
+    if rng.random() < 0.5:
+        return inner.encode()
+    return json.dumps({**valid_body(path), "x": "NEST"}).replace('"NEST"', inner).encode()
+
+
 def make_case(rng: random.Random) -> Case:
     # half the cases go where the validation is
     method, path = rng.choice(GENERATION_ROUTES if rng.random() < 0.5 else ROUTES)
@@ -169,8 +184,10 @@ def make_case(rng: random.Random) -> Case:
         body = rng.randbytes(rng.randint(0, 3000))
     elif r < 0.3:
         body = dumps(rng, random_json(rng))
-    elif r < 0.35:
+    elif r < 0.33:
         body = b""
+    elif r < 0.35:
+        body = deeply_nested(rng, path)
     elif r < 0.7 and path in ("/generate", "/v1/completions", "/v1/chat/completions"):
         body = dumps(rng, random_sampling(rng, path))
     else:

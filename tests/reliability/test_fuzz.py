@@ -62,7 +62,17 @@ EDGE_SAMPLING: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 3, "seed": 2**64}),
     ("/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 3,
                          "stop_token_ids": [2**64]}),
+    # issue 29 item 10: each a 500 with a traceback once (OverflowError, int("²"))
+    ("/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 3, "temperature": 10**400}}),
+    ("/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 3, "repetition_penalty": 10**400}}),
+    ("/generate", {"text": "Hello", "timeout": 10**400, "sampling_params": {"max_new_tokens": 3}}),
+    ("/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 3, "logit_bias": {"\u00b2": 1}}}),
+    ("/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 3, "presence_penalty": 10**400}),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                              "temperature": 10**400}),
 ]
+# JSON nested past Python's recursion limit, on every route that reads a body
+DEEP_JSON = ("[" * 5000 + "]" * 5000).encode()
 
 
 class Servers:
@@ -170,7 +180,10 @@ def answer(url: str) -> dict[str, Any]:
 
 
 def test_edge_sampling_values_get_4xx(servers: Servers) -> None:
-    failures = run_cases(servers, [json_case(p, b) for p, b in EDGE_SAMPLING])
+    deep = [Case("POST", p, DEEP_JSON, {"Content-Type": "application/json"})
+            for p in ("/generate", "/v1/completions", "/v1/chat/completions", "/abort_request")]
+    timeline = [Case("GET", "/timeline?limit=%C2%B2", b"", {})]
+    failures = run_cases(servers, [json_case(p, b) for p, b in EDGE_SAMPLING] + deep + timeline)
     assert not failures, "\n".join(failures)
 
 
