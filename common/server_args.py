@@ -91,6 +91,8 @@ class ServerArgs:
     # HTTP
     api_key: str = ""  # when set, every route but /health needs "Authorization: Bearer KEY"
     max_request_bytes: int = 16 * 2**20
+    # logprob entries one request may ask for: (prompt positions + max_new_tokens) x (1 + top-n), all outputs
+    max_logprob_entries: int = 2_000_000
     enable_metrics: bool = False  # serve GET /metrics (Prometheus text format)
     shutdown_timeout: float = 30.0  # SIGTERM: seconds in-flight requests may still run
     # misc
@@ -290,6 +292,9 @@ class ServerArgs:
         parser.add_argument("--max-request-bytes", type=int,
                             default=d["max_request_bytes"].default,
                             help="larger request bodies get HTTP 413")
+        parser.add_argument("--max-logprob-entries", type=int, default=d["max_logprob_entries"].default,
+                            help="a request asking for more logprobs, (prompt positions + max new tokens) x "
+                                 "(1 + top logprobs) over all its outputs, gets HTTP 400")
         parser.add_argument("--enable-metrics", action="store_true",
                             help="serve Prometheus metrics at GET /metrics")
         parser.add_argument("--shutdown-timeout", type=float,

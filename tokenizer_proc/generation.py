@@ -6,7 +6,7 @@ own, and are aborted together when the client goes away: the handler calls
 `abort()` in a `finally`, which touches only requests still running.
 
 Outputs with stop strings or regexes are detokenized and matched on the
-matching pool's threads, not the event loop: what arrived is taken on the loop,
+worker pool's threads, not the event loop: what arrived is taken on the loop,
 applied on a thread, and the handler waits for it before the next wake-up, so
 a stream's events keep their order. (RE2 releases the GIL while it searches.)
 """
@@ -21,22 +21,24 @@ from collections.abc import AsyncIterator
 from common.messages import FinishMatchedStr, TokenizedGenerateReq
 from tokenizer_proc.errors import BadRequestError
 from tokenizer_proc.finish_json import refusal_error
+from tokenizer_proc.logprobs import check_logprob_volume
 from tokenizer_proc.manager import DuplicateRidError, ReqState, TokenizerManager
 from tokenizer_proc.request_output import Arrival, RequestOutput
 from tokenizer_proc.request_spec import RequestSpec
 from tokenizer_proc.tokenizer import Tokenizer
 
 
-MATCH_WORKERS = 2
-_match_pool: concurrent.futures.ThreadPoolExecutor | None = None
+WORKERS = 2
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-def match_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that run stop matching (made on first use)."""
-    global _match_pool
-    if _match_pool is None:
-        _match_pool = concurrent.futures.ThreadPoolExecutor(MATCH_WORKERS, thread_name_prefix="stop-match")
-    return _match_pool
+def worker_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that run one request's CPU work off the event loop: stop
+    matching, and building a large answer (made on first use)."""
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="front-worker")
+    return _pool
 
 
 def _apply_all(taken: list[tuple[RequestOutput, Arrival]]) -> list[bool]:
@@ -45,8 +47,9 @@ def _apply_all(taken: list[tuple[RequestOutput, Arrival]]) -> list[bool]:
 
 class Generation:
     def __init__(self, manager: TokenizerManager, tokenizer: Tokenizer, specs: list[RequestSpec],
-                 stream: bool, arrival: float) -> None:
+                 stream: bool, arrival: float, max_logprob_entries: int | None = None) -> None:
         self.manager = manager
+        self.max_logprob_entries = max_logprob_entries  # --max-logprob-entries (None: no logprobs asked)
         self.tokenizer = tokenizer
         self.specs = specs
         self.stream = stream
@@ -55,7 +58,10 @@ class Generation:
         self.outputs: list[RequestOutput] = []
 
     def submit(self) -> None:
-        """Sends every request, or none (a taken rid is a 400)."""
+        """Sends every request, or none (a taken rid, or logprobs past
+        --max-logprob-entries, is a 400)."""
+        if self.max_logprob_entries is not None:
+            check_logprob_volume(self.specs, self.max_logprob_entries)
         rids = [s.req.rid for s in self.specs]
         taken = next((r for r in rids if r in self.manager.states), None)
         if taken is None and len(set(rids)) < len(rids):
@@ -102,7 +108,7 @@ class Generation:
                 else:
                     off_loop.append((k, out, arrival))
             if off_loop:
-                applied = await loop.run_in_executor(match_pool(), _apply_all, [(o, a) for _, o, a in off_loop])
+                applied = await loop.run_in_executor(worker_pool(), _apply_all, [(o, a) for _, o, a in off_loop])
                 changed = sorted(changed + [k for (k, _, _), c in zip(off_loop, applied) if c])
             for k in changed:
                 out = self.outputs[k]

@@ -6,9 +6,57 @@ The scheduler sends, per output token, its logprob and (when asked) the top-n
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+import msgspec
+
+from tokenizer_proc.errors import BadRequestError
+from tokenizer_proc.request_spec import RequestSpec
 from tokenizer_proc.tokenizer import Tokenizer
+
+# An answer with more logprob entries than this is built and encoded on a
+# worker thread, in chunks (each a short hold of the GIL), not on the event loop.
+LARGE_ANSWER_ENTRIES = 10_000
+ENCODE_CHUNK = 1024  # list items encoded per msgspec call
+
+
+def logprob_entries(spec: RequestSpec) -> int:
+    """The most logprob entries one request can answer with: per prompt
+    position from logprob_start_len and per new token, its own logprob and its
+    top-n."""
+    req = spec.req
+    if not req.return_logprob:
+        return 0
+    positions = len(req.input_ids) - req.logprob_start_len if req.logprob_start_len >= 0 else 0
+    return (positions + req.sampling_params.max_new_tokens) * (1 + req.top_logprobs_num)
+
+
+def check_logprob_volume(specs: list[RequestSpec], bound: int) -> None:
+    """Refuses a request whose logprobs could outgrow `bound` entries (over all
+    its outputs), before it runs: prompt logprobs with a large top-n on a long
+    prompt, times n, become an answer of gigabytes."""
+    total = sum(logprob_entries(s) for s in specs)
+    if total > bound:
+        raise BadRequestError(
+            f"the request asks for up to {total} logprob entries ((prompt positions from logprob_start_len + "
+            f"max new tokens) x (1 + top logprobs), over {len(specs)} output(s)), more than this server's "
+            f"bound of {bound} (--max-logprob-entries): ask for fewer top logprobs, a later "
+            "logprob_start_len, fewer tokens or fewer samples")
+
+
+def encoded_list(items: Iterable[Any]) -> msgspec.Raw:
+    """A JSON list, encoded ENCODE_CHUNK items at a time: on a worker thread the
+    GIL is let go between chunks, where one msgspec call on a huge list would hold it."""
+    parts, batch = [], []
+    for item in items:
+        batch.append(item)
+        if len(batch) == ENCODE_CHUNK:
+            parts.append(msgspec.json.encode(batch)[1:-1])
+            batch = []
+    if batch:
+        parts.append(msgspec.json.encode(batch)[1:-1])
+    return msgspec.Raw(b"[" + b",".join(parts) + b"]")
 
 
 class TokenTexts:
@@ -31,15 +79,19 @@ class TokenTexts:
 # ---- SGLang native: meta_info.output_token_logprobs / output_top_logprobs ------------------
 
 
-def native_token_logprobs(ids: list[int], lps: list[float | None], texts: TokenTexts | None) -> list[list[Any]]:
-    """[[logprob, token_id, text_or_null], ...] (a prompt's first logprob is null)"""
-    return [[lp, i, texts(i) if texts else None] for lp, i in zip(lps, ids)]
+def native_token_logprobs(ids: list[int], lps: list[float | None], texts: TokenTexts | None,
+                          chunked: bool = False) -> list[list[Any]] | msgspec.Raw:
+    """[[logprob, token_id, text_or_null], ...] (a prompt's first logprob is null);
+    `chunked`: already encoded (`encoded_list`)."""
+    rows = ([lp, i, texts(i) if texts else None] for lp, i in zip(lps, ids))
+    return encoded_list(rows) if chunked else list(rows)
 
 
-def native_top_logprobs(tops: list[list[tuple[float, int]] | None],
-                        texts: TokenTexts | None) -> list[list[list[Any]] | None]:
+def native_top_logprobs(tops: list[list[tuple[float, int]] | None], texts: TokenTexts | None,
+                        chunked: bool = False) -> list[list[list[Any]] | None] | msgspec.Raw:
     """Per position: [[logprob, token_id, text_or_null], ...], or null (a prompt's first)"""
-    return [None if pos is None else [[lp, i, texts(i) if texts else None] for lp, i in pos] for pos in tops]
+    rows = (None if pos is None else [[lp, i, texts(i) if texts else None] for lp, i in pos] for pos in tops)
+    return encoded_list(rows) if chunked else list(rows)
 
 
 # ---- OpenAI chat: {"content": [{token, logprob, bytes, top_logprobs}]} ---------------------

@@ -8,17 +8,19 @@ outputs' events interleave, each with its `index` in that order.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
-from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, TOKENIZER, TOKENIZER_POOL
+from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, SERVER_ARGS, TOKENIZER, TOKENIZER_POOL
 from tokenizer_proc.errors import json_response
-from tokenizer_proc.generation import Generation
+from tokenizer_proc.generation import Generation, worker_pool
 from tokenizer_proc.grammar import check_grammars
-from tokenizer_proc.logprobs import TokenTexts, native_token_logprobs, native_top_logprobs
+from tokenizer_proc.logprobs import LARGE_ANSWER_ENTRIES, TokenTexts, native_token_logprobs, native_top_logprobs
 from tokenizer_proc.middlewares import read_body
 from tokenizer_proc.protocol import GenerateInput, check_generate_request
 from tokenizer_proc.request_output import RequestOutput
@@ -33,7 +35,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     pending = check_generate_request(body, info.context_len, info.vocab_size, request.app[PROMPT_CHAR_LIMIT])
     inp = pending.finish(await request.app[TOKENIZER_POOL].run(pending.encode, tokenizer))
     await check_grammars([spec.req.sampling_params.grammar for spec in inp.specs])
-    gen = Generation(request.app[MANAGER], tokenizer, inp.specs, inp.stream, arrival)
+    gen = Generation(request.app[MANAGER], tokenizer, inp.specs, inp.stream, arrival,
+                     request.app[SERVER_ARGS].max_logprob_entries)
     gen.submit()
     try:
         texts = TokenTexts(tokenizer) if inp.return_text_in_logprobs else None
@@ -42,30 +45,54 @@ async def generate(request: web.Request) -> web.StreamResponse:
             return await stream_events(request, _events(gen, inp, texts), gen.outputs[0].rid)
         await gen.wait()
         gen.raise_refusal()  # refused at admission: queue full (503) or cannot run (400)
-        outs = [output_json(o, inp, texts) for o in gen.outputs]
-        return json_response(outs if inp.batched else outs[0])
+        if not large_answer(gen.outputs):
+            outs = [output_json(o, inp, texts) for o in gen.outputs]
+            return json_response(outs if inp.batched else outs[0])
+        body = await asyncio.get_running_loop().run_in_executor(worker_pool(), _encode_answer, gen, inp, texts)
+        return web.Response(body=body, content_type="application/json")
     finally:
         gen.abort()  # a no-op unless the client went away or something failed
 
 
 async def _events(gen: Generation, inp: GenerateInput, texts: TokenTexts | None) -> AsyncIterator[Any]:
+    loop = asyncio.get_running_loop()
     async for changed in gen.updates():
-        if not inp.batched:
-            yield output_json(gen.outputs[0], inp, texts)
-            continue
-        for k in changed:
-            yield {**output_json(gen.outputs[k], inp, texts), "index": k}
+        for k in [0] if not inp.batched else changed:
+            out = gen.outputs[k]
+            if large_answer([out]):  # built on a worker thread, its logprobs already encoded
+                event = await loop.run_in_executor(worker_pool(), output_json, out, inp, texts, True)
+            else:
+                event = output_json(out, inp, texts)
+            yield event if not inp.batched else {**event, "index": k}
 
 
-def output_json(out: RequestOutput, inp: GenerateInput, texts: TokenTexts | None) -> dict[str, Any]:
+def large_answer(outputs: list[RequestOutput]) -> bool:
+    """Logprob entries enough to build and encode off the event loop."""
+    entries = 0
+    for out in outputs:
+        if out.spec.req.return_logprob:
+            positions = len(out.ids) + len(out.state.input_token_logprobs)
+            entries += positions * (1 + out.spec.req.top_logprobs_num)
+    return entries > LARGE_ANSWER_ENTRIES
+
+
+def _encode_answer(gen: Generation, inp: GenerateInput, texts: TokenTexts | None) -> bytes:
+    outs = [output_json(o, inp, texts, chunked=True) for o in gen.outputs]
+    return msgspec.json.encode(outs if inp.batched else outs[0])
+
+
+def output_json(out: RequestOutput, inp: GenerateInput, texts: TokenTexts | None,
+                chunked: bool = False) -> dict[str, Any]:
+    """`chunked`: the logprob lists come already encoded, a chunk at a time (on
+    a worker thread, so the GIL is let go between chunks)."""
     meta = out.meta_info()
     if out.spec.req.return_logprob:
-        meta["output_token_logprobs"] = native_token_logprobs(out.ids, out.token_logprobs, texts)
-        meta["output_top_logprobs"] = native_top_logprobs(out.top_logprobs, texts)
+        meta["output_token_logprobs"] = native_token_logprobs(out.ids, out.token_logprobs, texts, chunked)
+        meta["output_top_logprobs"] = native_top_logprobs(out.top_logprobs, texts, chunked)
         start = out.spec.req.logprob_start_len
         if start >= 0:  # prompt logprobs: the prompt tokens from `start`, the first null
             meta["input_token_logprobs"] = native_token_logprobs(
-                out.spec.req.input_ids[start:], out.state.input_token_logprobs, texts)
+                out.spec.req.input_ids[start:], out.state.input_token_logprobs, texts, chunked)
             if out.spec.req.top_logprobs_num > 0:
-                meta["input_top_logprobs"] = native_top_logprobs(out.state.input_top_logprobs, texts)
+                meta["input_top_logprobs"] = native_top_logprobs(out.state.input_top_logprobs, texts, chunked)
     return {"text": out.text, "output_ids": list(out.ids), "meta_info": meta}

@@ -70,7 +70,8 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     await check_grammars([spec.req.sampling_params.grammar for spec in inp.specs])
     shaper = (ChatShaper if chat else CompletionShaper)(inp, served_model_name(request.app),
                                                         TokenTexts(tokenizer))
-    gen = Generation(request.app[MANAGER], tokenizer, inp.specs, inp.stream, arrival)
+    gen = Generation(request.app[MANAGER], tokenizer, inp.specs, inp.stream, arrival,
+                     request.app[SERVER_ARGS].max_logprob_entries)
     gen.submit()
     try:
         if inp.stream:

@@ -201,7 +201,7 @@ def test_stop_matching_runs_off_the_event_loop(server: Server, monkeypatch: pyte
     assert status == 200
     texts = [e["text"] for e in sse_events(raw)]
     assert len(texts) >= 2 and all(b.startswith(a) for a, b in zip(texts, texts[1:])), texts
-    assert threads and all(name.startswith("stop-match") for name in threads), threads
+    assert threads and all(name.startswith("front-worker") for name in threads), threads
     # on the loop, each 3-token chunk would pause it for 150 ms
     assert lag - quiet < 0.1, (quiet, lag)
 
