@@ -249,16 +249,35 @@ async def run_beside_regexes(url: str, attack: bool) -> tuple[float, float, floa
     return max(largest_gap(ev) for ev in streams), max(delays), worst_health, finals
 
 
-def test_catastrophic_stop_regexes_do_not_stall_the_front_end(server: ServerProcess) -> None:
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random model with the real tokenizer: the front end's work is the
+    real one, the model's steps are short (its text is what the regexes read)."""
+    from common.server_args import ServerArgs
+    from model_proc.weights import resolve_model_path
+    from tests.helpers import make_tiny_llama
+
+    args = ServerArgs()
+    tokenizer = resolve_model_path(args.model_path, args.cache_dir)
+    model = make_tiny_llama(str(tmp_path_factory.mktemp("tiny_regex")), vocab_size=49152,
+                            max_position_embeddings=2048, eos_token_id=2)
+    srv = ServerProcess("--model-path", model, "--tokenizer-path", tokenizer, "--dtype", "float32",
+                        "--max-running-requests", "16")
+    yield srv
+    shut_down(srv)
+
+
+def test_catastrophic_stop_regexes_do_not_stall_the_front_end(tiny_server: ServerProcess) -> None:
+    server = tiny_server
     quiet, loaded = [], []
     for _ in range(REGEX_ROUNDS):
         gap, delay, health, _ = asyncio.run(run_beside_regexes(server.url, attack=False))
         quiet.append((gap, delay, health))
         gap, delay, health, finals = asyncio.run(run_beside_regexes(server.url, attack=True))
         loaded.append((gap, delay, health))
-        for last in finals:  # nothing in the text matches: each runs to its length
-            assert last["meta_info"]["finish_reason"] == {"type": "length", "length": REGEX_TOKENS}, last
-            assert last["meta_info"]["completion_tokens"] == REGEX_TOKENS
+        for last in finals:  # each runs to its length, or stops on its pattern: never an abort
+            reason = last["meta_info"]["finish_reason"]
+            assert reason["type"] == "length" or reason.get("matched") in CATASTROPHIC, last
 
     def ms(rows: list[tuple[float, float, float]], k: int) -> str:
         return ", ".join(f"{r[k] * 1000:.0f}" for r in rows)

@@ -235,3 +235,11 @@ def test_a_long_stop_string_is_found_across_many_pieces() -> None:
     text = "ab" * 1000 + "c tail"
     shown, matched = run([stop, "zz"], [text[i:i + 3] for i in range(0, len(text), 3)])
     assert matched == stop and "".join(shown) == text[:text.index(stop)]
+
+
+def test_an_empty_first_piece_is_fine() -> None:
+    """The `regex` module's partial search of "" with this pattern segfaulted
+    the front end (a first token that adds no text: half a character, a
+    skipped special token)."""
+    shown, matched = run([], ["", "xyA", "", "b"], regexes=[r"(?s:.)+A{0,2}"])
+    assert matched == r"(?s:.)+A{0,2}" and "".join(shown) == ""
