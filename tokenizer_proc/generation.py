@@ -49,7 +49,7 @@ class Generation:
     def __init__(self, manager: TokenizerManager, tokenizer: Tokenizer, specs: list[RequestSpec],
                  stream: bool, arrival: float, max_logprob_entries: int | None = None) -> None:
         self.manager = manager
-        self.max_logprob_entries = max_logprob_entries  # --max-logprob-entries (None: no logprobs asked)
+        self.max_logprob_entries = max_logprob_entries  # None: unchecked (the health check's request)
         self.tokenizer = tokenizer
         self.specs = specs
         self.stream = stream

@@ -262,7 +262,7 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory):
     model = make_tiny_llama(str(tmp_path_factory.mktemp("tiny_regex")), vocab_size=49152,
                             max_position_embeddings=2048, eos_token_id=2)
     srv = ServerProcess("--model-path", model, "--tokenizer-path", tokenizer, "--dtype", "float32",
-                        "--max-running-requests", "16")
+                        "--attention-backend", "torch", "--max-running-requests", "16")
     yield srv
     shut_down(srv)
 
