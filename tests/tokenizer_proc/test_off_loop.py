@@ -132,6 +132,10 @@ def limit_cases(char_limit: int) -> list[tuple[str, str, dict[str, Any], str]]:
          {"messages": [{"role": "user", "content": "x"}], "input_ids": [5] * (CONTEXT_LEN + 1)},
          "context length"),
         ("sampling", "/v1/completions", {"prompt": "x", "temperature": 5}, "temperature must be in"),
+        ("stop regex RE2 cannot take", "/generate", {"text": "x", "sampling_params": {"stop_regex": r"(a)\1"}},
+         "stop_regex: '(a)\\\\1': backreferences"),
+        ("openai stop regex", "/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "x"}], "stop_regex": ["ok", "a(?=b)"]}, "'a(?=b)': lookahead"),
     ]
 
 
