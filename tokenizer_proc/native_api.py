@@ -91,8 +91,18 @@ def output_json(out: RequestOutput, inp: GenerateInput, texts: TokenTexts | None
         meta["output_top_logprobs"] = native_top_logprobs(out.top_logprobs, texts, chunked)
         start = out.spec.req.logprob_start_len
         if start >= 0:  # prompt logprobs: the prompt tokens from `start`, the first null
-            meta["input_token_logprobs"] = native_token_logprobs(
-                out.spec.req.input_ids[start:], out.state.input_token_logprobs, texts, chunked)
-            if out.spec.req.top_logprobs_num > 0:
-                meta["input_top_logprobs"] = native_top_logprobs(out.state.input_top_logprobs, texts, chunked)
+            meta.update(out.encoded_input_logprobs if chunked and out.encoded_input_logprobs
+                        else _input_logprobs(out, start, texts, chunked))
     return {"text": out.text, "output_ids": list(out.ids), "meta_info": meta}
+
+
+def _input_logprobs(out: RequestOutput, start: int, texts: TokenTexts | None, chunked: bool) -> dict[str, Any]:
+    """The prompt's logprobs; once they have arrived, encoded ones are kept:
+    every streamed event repeats them, unchanged."""
+    fields: dict[str, Any] = {"input_token_logprobs": native_token_logprobs(
+        out.spec.req.input_ids[start:], out.state.input_token_logprobs, texts, chunked)}
+    if out.spec.req.top_logprobs_num > 0:
+        fields["input_top_logprobs"] = native_top_logprobs(out.state.input_top_logprobs, texts, chunked)
+    if chunked and out.state.input_token_logprobs:
+        out.encoded_input_logprobs = fields
+    return fields

@@ -67,6 +67,7 @@ class RequestOutput:
             if spec.matches_text else None
         self.fed = 0  # state.output_ids taken so far
         self.match_cpu_s = 0.0  # CPU seconds spent in stop matching (its budget's measure)
+        self.encoded_input_logprobs: dict[str, Any] | None = None  # kept by native_api once built
         self.ids: list[int] = []  # output ids shown (cut after the token that completed a stop string)
         # text shown (detokenized, stop string and anything after it removed), in
         # the pieces it came in: appending to one string would copy it all per token

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from tests.tokenizer_proc.server_harness import Server, post
+from tests.tokenizer_proc.server_harness import Server, post, sse_events
 from tokenizer_proc import native_api
 from tokenizer_proc.logprobs import ENCODE_CHUNK, encoded_list
 from tokenizer_proc.tokenizer import load_tokenizer
@@ -116,10 +116,23 @@ def test_a_large_streamed_answer_is_built_on_a_worker_thread(bounded: Server,
         threads.append(threading.current_thread().name)
         return build(*args, **kwargs)
 
+    builds = []
+    input_logprobs = native_api._input_logprobs
+
+    def counting(*args: Any) -> dict[str, Any]:
+        builds.append(1)
+        return input_logprobs(*args)
+
     monkeypatch.setattr(native_api, "output_json", recording)
-    status, _, raw = post(bounded, generate(bounded, n=1, top=100, stream=True))  # 204 x 101 = 20,604
-    assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
+    monkeypatch.setattr(native_api, "_input_logprobs", counting)
+    status, _, raw = post(bounded, generate(bounded, n=1, top=100, max_new=12, stream=True))  # 212 x 101
+    assert status == 200
     assert threads and all(t.startswith("front-worker") for t in threads), threads
+    events = sse_events(raw)
+    assert len(events) >= 2
+    assert all(e["meta_info"]["input_top_logprobs"] == events[-1]["meta_info"]["input_top_logprobs"]
+               for e in events)  # every event repeats them (SGLang's), built once
+    assert len(builds) == 1, len(builds)
 
 
 @pytest.mark.parametrize("size", [0, 1, ENCODE_CHUNK - 1, ENCODE_CHUNK, ENCODE_CHUNK + 1, 3 * ENCODE_CHUNK + 7])
