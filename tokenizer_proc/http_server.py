@@ -75,7 +75,8 @@ def build_app(
                           ("/abort_request", ops_api.abort_request)):
         r.add_post(path, handler, expect_handler=expect_handler)
     r.add_get("/v1/models", openai_api.list_models)
-    r.add_get("/v1/models/{model}", openai_api.retrieve_model)
+    # Hugging Face ids have a slash (org/model): the name is the rest of the path
+    r.add_get("/v1/models/{model:.+}", openai_api.retrieve_model)
     r.add_get("/health", ops_api.health)
     r.add_get("/health_generate", ops_api.health_generate)
     r.add_get("/get_model_info", ops_api.get_model_info)
