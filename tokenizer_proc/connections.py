@@ -78,12 +78,11 @@ class _Refused(asyncio.Protocol):
 
     def __init__(self, answer: bytes) -> None:
         self.answer = answer
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.WriteTransport | None = None
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's is no asyncio.Transport)
         self.timer = asyncio.get_running_loop().call_later(REFUSED_LINGER_S, self._answer)
 
     def data_received(self, data: bytes) -> None:
