@@ -95,6 +95,12 @@ class ServerArgs:
     max_logprob_entries: int = 2_000_000
     enable_metrics: bool = False  # serve GET /metrics (Prometheus text format)
     shutdown_timeout: float = 30.0  # SIGTERM: seconds in-flight requests may still run
+    # what one client may hold (tokenizer_proc/connections.py) and who may drive the server
+    max_connections: int | None = None  # None: 4096, or what the open-file limit leaves
+    header_timeout_s: float = 20.0  # a request's head (or a kept-alive connection's next one) within this
+    body_timeout_s: float = 60.0  # a request's whole body within this after its head
+    allowed_hosts: str = ""  # without --api-key: Host names served besides --host and localhost; "*": any
+    admin_api_key: str = ""  # when set, ops routes that act on every client need "Bearer KEY"
     # misc
     log_level: str = "info"
     cache_dir: str = field(default_factory=lambda: os.path.join(
@@ -156,6 +162,10 @@ class ServerArgs:
             raise ValueError("--shutdown-timeout must be >= 0")
         if self.batch_timeout_ms < 0:
             raise ValueError("--batch-timeout-ms must be >= 0")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"--max-connections must be >= 1, not {self.max_connections}")
+        if not self.header_timeout_s > 0 or not self.body_timeout_s > 0:
+            raise ValueError("--header-timeout-s and --body-timeout-s must be > 0")
         self._check_parallel()
 
     def _check_parallel(self) -> None:
@@ -301,6 +311,22 @@ class ServerArgs:
                             default=d["shutdown_timeout"].default,
                             help="on SIGTERM, let in-flight requests finish for this long, "
                                  "then abort the rest")
+        parser.add_argument("--max-connections", type=int, default=None,
+                            help="open connections served; past it /health is still answered on a few more, "
+                                 "anything else gets HTTP 503 (default 4096, or what the open-file limit leaves)")
+        parser.add_argument("--header-timeout-s", type=float, default=d["header_timeout_s"].default,
+                            help="close a connection whose request head has not arrived this long after it "
+                                 "opened (or after its previous response: the keep-alive idle time)")
+        parser.add_argument("--body-timeout-s", type=float, default=d["body_timeout_s"].default,
+                            help="a request body not all arrived this long after its head gets HTTP 408")
+        parser.add_argument("--allowed-hosts", default=d["allowed_hosts"].default,
+                            help="without --api-key, requests are served only when their Host header is "
+                                 "--host, localhost, 127.0.0.1, ::1 or one of these comma-separated names "
+                                 "(DNS rebinding); '*' serves any Host")
+        parser.add_argument("--admin-api-key", default=os.environ.get("ADMIN_API_KEY", ""),
+                            help="when set, /abort_request with abort_all, /flush_cache and /timeline of "
+                                 "other clients' requests need 'Authorization: Bearer KEY' "
+                                 "(default: $ADMIN_API_KEY)")
         parser.add_argument("--log-level", default=d["log_level"].default,
                             choices=["debug", "info", "warning", "error"])
         parser.add_argument("--cache-dir", default=None,

@@ -11,6 +11,9 @@ on the host).
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -99,11 +102,56 @@ def init_tensor_parallel(rank: int, size: int, dist_init_addr: str, device: torc
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{dist_init_addr}", rank=rank, world_size=size,
-                            timeout=timeout)
+    host, port = split_host_port(dist_init_addr)
+    if is_loopback(host):
+        keep_collectives_on_loopback()
+    # torch's own store listens on every interface, and it takes no password:
+    # rank 0 hands it a socket bound to the rendezvous host alone.
+    listen_fd = listen_socket(host, port).detach() if rank == 0 else None
+    store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout, wait_for_workers=False,
+                          master_listen_fd=listen_fd)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     # NCCL collectives take device tensors only: the batches (host bytes) go over gloo
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     return TensorParallel(rank, size, device, cpu_group)
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """("::1", 5000) from "[::1]:5000"; ("node0", 5000) from "node0:5000"."""
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on `host` alone (not every interface)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.listen(socket.SOMAXCONN)
+    return sock
+
+
+def keep_collectives_on_loopback() -> None:
+    """A one-machine group: gloo's and NCCL's own connections on the loopback
+    interface too (they would pick the interface of the machine's name),
+    unless the user chose one."""
+    if LOOPBACK_IFNAME not in (name for _, name in socket.if_nameindex()):
+        return  # not Linux's name for it: leave the libraries' choice
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(var, LOOPBACK_IFNAME)
+
+
+LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
 
 
 # ---- how the model is split ----------------------------------------------------------

@@ -22,6 +22,7 @@ from common.ipc import PushSocket
 from common.messages import ReadyMsg
 from common.peer_watch import PeerWatch, read_stop_reason, socket_dir
 from common.proc import ChildConfig, child_main_setup
+from tokenizer_proc.connections import raise_open_file_limit
 from tokenizer_proc.http_server import MANAGER, build_app, start_http
 from tokenizer_proc.shutdown import Shutdown
 from tokenizer_proc.tokenizer import Tokenizer, load_tokenizer
@@ -66,6 +67,7 @@ async def serve(cfg: ChildConfig, tokenizer: Tokenizer) -> int:
 
 def main() -> None:
     cfg = child_main_setup("tokenizer")
+    logger.info("open-file limit %d", raise_open_file_limit())  # every connection is a descriptor
     if cfg.model_info is None:
         raise SystemExit("tokenizer_proc needs model_info in its config")
     tokenizer = load_tokenizer(cfg.model_info.tokenizer_path)

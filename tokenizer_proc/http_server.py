@@ -13,6 +13,7 @@ any reason (client gone: aiohttp cancels it; an error) aborts its requests in
 from __future__ import annotations
 
 import logging
+import resource
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -22,8 +23,10 @@ from common.server_args import ServerArgs
 from tokenizer_proc import native_api, openai_api, ops_api
 from tokenizer_proc.app_keys import (HEALTH_GENERATE_TIMEOUT, MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, SERVER_ARGS,
                                      TOKENIZER, TOKENIZER_POOL)
+from tokenizer_proc.connections import ConnectionGate, GatedSite, connection_limit
 from tokenizer_proc.manager import TokenizerManager
-from tokenizer_proc.middlewares import API_KEY, MAX_BODY, error_middleware, expect_handler, gate_middleware
+from tokenizer_proc.middlewares import (ADMIN_KEY, API_KEY, BODY_TIMEOUT, GATE, HOST_RULE, MAX_BODY, HostRule,
+                                        error_middleware, expect_handler, gate_middleware)
 from tokenizer_proc.tokenizer import Tokenizer, TokenizerPool
 from tokenizer_proc.validation import prompt_char_limit
 
@@ -45,6 +48,11 @@ def build_app(
     app = web.Application(middlewares=[error_middleware, gate_middleware],
                           client_max_size=server_args.max_request_bytes)
     app[API_KEY] = server_args.api_key
+    app[ADMIN_KEY] = server_args.admin_api_key
+    app[HOST_RULE] = HostRule(server_args.host, server_args.allowed_hosts)
+    app[BODY_TIMEOUT] = server_args.body_timeout_s
+    app[GATE] = ConnectionGate(connection_limit(server_args.max_connections,
+                                                resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
     app[TOKENIZER] = tokenizer
     app[TOKENIZER_POOL] = TokenizerPool()  # threads start on first use
     app[PROMPT_CHAR_LIMIT] = prompt_char_limit(model_info.context_len, getattr(tokenizer, "max_token_chars", None))
@@ -75,7 +83,8 @@ def build_app(
                           ("/abort_request", ops_api.abort_request)):
         r.add_post(path, handler, expect_handler=expect_handler)
     r.add_get("/v1/models", openai_api.list_models)
-    r.add_get("/v1/models/{model}", openai_api.retrieve_model)
+    # Hugging Face ids have a slash (org/model): the name is the rest of the path
+    r.add_get("/v1/models/{model:.+}", openai_api.retrieve_model)
     r.add_get("/health", ops_api.health)
     r.add_get("/health_generate", ops_api.health_generate)
     r.add_get("/get_model_info", ops_api.get_model_info)
@@ -100,9 +109,15 @@ async def start_http(
     disconnected, which is how a waiting non-streaming request learns to abort.
     shutdown_timeout: how long `cleanup()` lets in-flight requests run on. Short,
     because at shutdown the scheduler is stopping too and will not finish them.
+    keepalive_timeout: aiohttp closes a connection still waiting for a whole
+    request head when it fires (from the connection's start, or its last
+    response), so it is the header timeout (tokenizer_proc/connections.py).
+    lingering_time: how long an unread body is drained after a refusal.
     """
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=shutdown_timeout)
+    args = app[SERVER_ARGS]
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout,
+                           keepalive_timeout=args.header_timeout_s,
+                           lingering_time=min(args.body_timeout_s, 10.0))
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await GatedSite(runner, host, port, app[GATE]).start()
     return runner

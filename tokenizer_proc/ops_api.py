@@ -19,7 +19,7 @@ from common.messages import FinishAbort, FlushCacheQuery, SamplingParams, StateQ
 from tokenizer_proc.app_keys import HEALTH_GENERATE_TIMEOUT, MANAGER, MODEL_INFO, SERVER_ARGS, TOKENIZER
 from tokenizer_proc.errors import BadRequestError, ServiceUnavailableError, json_response
 from tokenizer_proc.generation import Generation
-from tokenizer_proc.middlewares import read_body
+from tokenizer_proc.middlewares import read_body, require_admin
 from tokenizer_proc.request_spec import RequestSpec
 from tokenizer_proc.validation import check_bool, is_decimal, parse_json_object
 
@@ -75,8 +75,9 @@ async def get_model_info(request: web.Request) -> web.Response:
 
 async def get_server_info(request: web.Request) -> web.Response:
     args = dataclasses.asdict(request.app[SERVER_ARGS])
-    if args.get("api_key"):
-        args["api_key"] = "<set>"  # never echo the secret
+    for secret in ("api_key", "admin_api_key"):
+        if args.get(secret):
+            args[secret] = "<set>"  # never echo the secret
     return json_response({
         **args,
         "model_info": msgspec.structs.asdict(request.app[MODEL_INFO]),
@@ -156,6 +157,7 @@ async def abort_request(request: web.Request) -> web.Response:
     body = parse_json_object(await read_body(request))
     manager = request.app[MANAGER]
     if body.get("abort_all") is not None and check_bool("abort_all", body["abort_all"]):
+        require_admin(request, "abort_all")
         aborted = manager.abort_all()
     elif isinstance(body.get("rid"), str) and body["rid"]:
         aborted = manager.abort_rid(body["rid"])

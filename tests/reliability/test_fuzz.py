@@ -222,13 +222,13 @@ def test_oversized_bodies_get_413_unread(servers: Servers) -> None:
         for expect in ("", "Expect: 100-continue\r\n"):
             # the size is declared: the answer comes before a byte of the body is sent
             with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
-                s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                           f"Content-Length: {HUGE}\r\n{expect}\r\n".encode())
                 assert read_status(s) == 413, (path, expect)
 
     # chunked: nothing declared, so the server reads up to its limit, then refuses
     with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
-        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n")
         piece = b"%x\r\n%s\r\n" % (2**20, b" " * 2**20)
         sent = 0
         try:

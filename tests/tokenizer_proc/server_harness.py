@@ -110,7 +110,7 @@ def open_raw(server: Server, body: dict[str, Any], path: str = "/generate") -> s
     """Sends a request on a bare socket, so the test can hang up mid-way."""
     data = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-    sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % (path.encode(), len(data)) + data)
     return sock
 

@@ -88,7 +88,7 @@ def test_declared_big_body_refused_at_once(server: Server) -> None:
     """50 MB declared, a few bytes sent: the 413 comes without waiting for the rest."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
     t0 = time.monotonic()
-    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 50000000\r\n\r\n{\"text\": ")
     head = read_response(sock)
     elapsed = time.monotonic() - t0
@@ -99,7 +99,7 @@ def test_declared_big_body_refused_at_once(server: Server) -> None:
 def test_chunked_big_body_refused_while_streaming(locked: Server) -> None:
     """No length declared: reading stops at the limit, long before the sender is done."""
     sock = socket.create_connection(("127.0.0.1", locked.port), timeout=5)
-    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
                  b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
     piece = b"x" * 16384
     chunk = b"%x\r\n" % len(piece) + piece + b"\r\n"
@@ -130,7 +130,7 @@ def test_just_under_the_limit_is_read(locked: Server) -> None:
 
 def test_unauthenticated_big_body_gets_401(locked: Server) -> None:
     sock = socket.create_connection(("127.0.0.1", locked.port), timeout=5)
-    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 50000000\r\n\r\n{")
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 50000000\r\n\r\n{")
     head = read_response(sock)
     sock.close()
     assert head.startswith(b"HTTP/1.1 401 ")
@@ -139,7 +139,7 @@ def test_unauthenticated_big_body_gets_401(locked: Server) -> None:
 def test_expect_continue_refused_before_the_body(locked: Server) -> None:
     """curl-style `Expect: 100-continue`: the 413 comes instead of the invitation to send."""
     sock = socket.create_connection(("127.0.0.1", locked.port), timeout=5)
-    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
                  b"\r\nExpect: 100-continue\r\nContent-Length: 50000000\r\n\r\n")
     head = read_response(sock)
     sock.close()
@@ -149,7 +149,7 @@ def test_expect_continue_refused_before_the_body(locked: Server) -> None:
 def test_expect_continue_small_body_is_invited(locked: Server) -> None:
     body = json.dumps({"text": "hi"}).encode()
     sock = socket.create_connection(("127.0.0.1", locked.port), timeout=5)
-    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
                  b"\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
     assert read_response(sock).startswith(b"HTTP/1.1 100 Continue")
     sock.sendall(body)
