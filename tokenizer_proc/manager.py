@@ -44,10 +44,14 @@ from tokenizer_proc.metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 ABORT_RETRY_S = 0.01  # an abort the scheduler's full queue refused is tried again this often
-# the front end ends a request this long after its deadline: the scheduler's
-# own answer (its tokens, its KV freed) normally comes first; this one is for
-# a scheduler that cannot act
+# The front end ends a request this long after its deadline if the engine is
+# silent; the scheduler's own answer (its tokens, its KV freed) normally comes
+# first, and an engine that answers gets up to DEADLINE_MAX_GRACE_S to send it
+# (a long step may hold its deadline check).
 DEADLINE_GRACE_S = 0.1
+DEADLINE_MAX_GRACE_S = 2.0
+DEADLINE_RECHECK_S = 0.1
+ANSWERING_WITHIN_S = 1.0  # heard from within this, the model owing no older step: the engine answers
 DEADLINE_EXCEEDED = "deadline exceeded"  # the scheduler's words for the same finish
 
 
@@ -152,12 +156,12 @@ class TokenizerManager:
         timeout = req.timeout_s if req.timeout_s is not None else \
             (self.args.request_timeout_s if self.args is not None else None)
         if timeout is not None:
-            delay = state.arrival_wall + timeout + DEADLINE_GRACE_S - time.time()
+            deadline = state.arrival_wall + timeout
             state.deadline_timer = asyncio.get_running_loop().call_later(
-                max(0.0, delay), self._deadline_passed, state)
+                max(0.0, deadline + DEADLINE_GRACE_S - time.time()), self._deadline_passed, state, deadline)
         return state
 
-    def _deadline_passed(self, state: ReqState) -> None:
+    def _deadline_passed(self, state: ReqState, deadline: float) -> None:
         """The request is past its deadline and the scheduler has not ended it
         (it may be stopped, or stuck waiting for the model): the client gets
         its abort now, and the scheduler is asked to free the KV. The state
@@ -165,6 +169,10 @@ class TokenizerManager:
         reused while the scheduler still holds it."""
         state.deadline_timer = None
         if state.finished or self.states.get(state.rid) is not state:
+            return
+        if self.engine_answering() and time.time() < deadline + DEADLINE_MAX_GRACE_S:
+            state.deadline_timer = asyncio.get_running_loop().call_later(
+                DEADLINE_RECHECK_S, self._deadline_passed, state, deadline)
             return
         logger.warning("request %s is past its deadline and the scheduler has not ended it: ending it here",
                        state.rid)
@@ -240,6 +248,9 @@ class TokenizerManager:
 
     def scheduler_silent_s(self) -> float:
         return time.monotonic() - self.last_heard
+
+    def engine_answering(self) -> bool:
+        return self.scheduler_silent_s() < ANSWERING_WITHIN_S and self.model_silent_s < ANSWERING_WITHIN_S
 
     def unresponsive(self) -> str | None:
         """Why /health should say 503: the scheduler, or the model through it,

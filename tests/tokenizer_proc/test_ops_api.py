@@ -177,23 +177,36 @@ def test_health_is_503_while_the_model_does_not_answer_the_scheduler(strict_serv
 
 def test_deadlines_are_kept_by_the_front_end_when_the_scheduler_is_silent(strict_server: Server) -> None:
     """A stopped scheduler enforces no deadline: the front end answers each
-    request at its own (plus 0.1 s), asks the scheduler to abort it, and
+    request at its own (plus 0.1 s: the engine is silent), asks the scheduler to abort it, and
     keeps its rid until the scheduler's final row; and, with requests in
     flight and no word from the scheduler for --watchdog-timeout, says the
     server is hung."""
     srv = strict_server
     srv.fake.silent = True
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        plain = pool.submit(timed_post, srv, {"text": "hi", "rid": "dl-plain", "timeout": 1.0})
-        stream = pool.submit(timed_post, srv, {"text": "hi", "rid": "dl-stream", "stream": True, "timeout": 1.5})
+        plain = pool.submit(timed_post, srv, {"text": "hi", "rid": "dl-plain", "timeout": 1.5})
+        stream = pool.submit(timed_post, srv, {"text": "hi", "rid": "dl-stream", "stream": True, "timeout": 2.0})
         took, status, raw = plain.result(timeout=10)
-        assert status == 200 and 1.0 <= took < 2.0, (took, status)
+        assert status == 200 and 1.5 <= took < 2.5, (took, status)
         assert json.loads(raw)["meta_info"]["finish_reason"] == {"type": "abort", "message": "deadline exceeded"}
         took, status, raw = stream.result(timeout=10)
-        assert status == 200 and 1.5 <= took < 2.5, (took, status)
+        assert status == 200 and 2.0 <= took < 3.0, (took, status)
         assert sse_events(raw)[-1]["meta_info"]["finish_reason"] == {"type": "abort", "message": "deadline exceeded"}
     wait_until(lambda: {"dl-plain", "dl-stream"} <= set(srv.fake.aborts()))
     assert {"dl-plain", "dl-stream"} <= srv.in_flight()  # the scheduler still holds them
     manager = srv.app[MANAGER]
     wait_until(lambda: manager.hung() is not None, timeout=5)
     assert "watchdog: the scheduler has not answered" in manager.hung()
+
+
+def test_an_answering_scheduler_gets_a_bounded_grace_to_end_a_request_itself(server: Server) -> None:
+    """The scheduler normally ends a request at its deadline (with its text
+    so far); while it answers, the front end waits for that, but not more
+    than 2 s: this fake answers but never ends the request."""
+    took, status, raw = timed_post(server, {"text": "hi", "rid": "hang-deadline", "timeout": 0.5})
+    assert status == 200 and 2.5 <= took < 3.5, (took, status)
+    answer = json.loads(raw)
+    assert answer["meta_info"]["finish_reason"] == {"type": "abort", "message": "deadline exceeded"}
+    assert answer["meta_info"]["completion_tokens"] == 3  # the tokens it had
+    wait_until(lambda: "hang-deadline" in server.fake.aborts())
+    wait_until(lambda: "hang-deadline" not in server.in_flight())  # freed by the scheduler's final row
