@@ -149,8 +149,8 @@ def test_a_stopped_engine_process_fails_health_keeps_deadlines_and_resumes_harml
         load.add("running-stream", long_body("Tell me a story about a dragon.", UNBOUNDED_TOKENS, stream=True))
         assert load.started.wait(60), "the first request never produced a token"
         submitted = time.monotonic()
-        load.add("deadline-plain", with_timeout(long_body("Write a poem.", UNBOUNDED_TOKENS, stream=False), DEADLINE_S))
-        load.add("deadline-stream", with_timeout(long_body("Describe rain.", UNBOUNDED_TOKENS, stream=True), DEADLINE_S))
+        for name, stream in (("deadline-plain", False), ("deadline-stream", True)):
+            load.add(name, with_timeout(long_body("Write a poem.", UNBOUNDED_TOKENS, stream=stream), DEADLINE_S))
         time.sleep(0.5)  # both are in the scheduler: one runs, one waits
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
