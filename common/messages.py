@@ -231,6 +231,17 @@ class SchedulerReply(msgspec.Struct, tag=True):
     message: str = ""
 
 
+class SchedulerHeartbeat(msgspec.Struct, tag=True):
+    """Sent by the scheduler every scheduler_proc.scheduler.HEARTBEAT_S while
+    it runs, idle or not, even while it waits for the model: the front end's
+    sign that the engine answers (/health, its watchdog)."""
+
+    # seconds the model has not answered the oldest step sent to it (0: none out)
+    model_silent_s: float = 0.0
+    # set in the scheduler's last message when its watchdog stops the server: why
+    watchdog_error: str = ""
+
+
 # ---- scheduler_proc <-> model_proc ----------------------------------------------------
 
 # In a decode batch's input_ids: "the token this row sampled at its last step".
@@ -381,7 +392,7 @@ class IpcPaths(msgspec.Struct):
 
 
 ToSchedulerMsg = Union[TokenizedGenerateReq, AbortReq, StopMatchedReq, SchedulerQuery]
-ToTokenizerMsg = Union[BatchTokenOut, SchedulerReply]
+ToTokenizerMsg = Union[BatchTokenOut, SchedulerReply, SchedulerHeartbeat]
 ToModelMsg = ForwardBatch
 FromModelMsg = ForwardResult
 ToLauncherMsg = ReadyMsg

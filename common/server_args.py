@@ -83,6 +83,14 @@ class ServerArgs:
     queue_timeout_ms: float | None = None
     # every request's deadline unless it sets its own `timeout`: past it, it ends as an abort
     request_timeout_s: float | None = None
+    # with priority scheduling: a waiting request's priority rises one level per this many
+    # seconds waited (0: no aging; scheduler_proc/policy.py)
+    priority_aging_s: float = 5.0
+    # a step the model has not answered for this long (or a scheduler silent this long) ends
+    # the server as a crash does, exit 1 (SGLang's --watchdog-timeout; 0: off)
+    watchdog_timeout: float = 300.0
+    # /health answers 503 once the scheduler, or the model through it, has not answered this long
+    health_check_timeout: float = 20.0
     batching: str = "continuous"  # continuous | static | dynamic
     batch_timeout_ms: float = 50.0  # dynamic batching: launch a partial batch after this
     stream_interval: int = 1
@@ -158,6 +166,12 @@ class ServerArgs:
             raise ValueError("--queue-timeout-ms must be > 0")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError("--request-timeout-s must be > 0")
+        if self.priority_aging_s < 0:
+            raise ValueError("--priority-aging-s must be >= 0 (0: no aging)")
+        if self.watchdog_timeout < 0:
+            raise ValueError("--watchdog-timeout must be >= 0 (0: off)")
+        if self.health_check_timeout <= 0:
+            raise ValueError("--health-check-timeout must be > 0")
         if self.shutdown_timeout < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
         if self.batch_timeout_ms < 0:
@@ -272,7 +286,7 @@ class ServerArgs:
                             help="beyond this many waiting requests, new ones get HTTP 503")
         parser.add_argument("--enable-priority-scheduling", action="store_true",
                             help="admit waiting requests by their `priority` (larger first), then by "
-                                 "--schedule-policy; none is passed over for more than 5 s")
+                                 "--schedule-policy; see --priority-aging-s")
         parser.add_argument("--schedule-low-priority-values-first", action="store_true",
                             help="with --enable-priority-scheduling: smaller priority values go first")
         parser.add_argument("--priority-preemption", action="store_true",
@@ -284,6 +298,17 @@ class ServerArgs:
         parser.add_argument("--request-timeout-s", type=float, default=None,
                             help="deadline of every request that sets no `timeout` of its own: past it, "
                                  "it finishes as an abort ('deadline exceeded') and its KV is freed")
+        parser.add_argument("--priority-aging-s", type=float, default=d["priority_aging_s"].default,
+                            help="with --enable-priority-scheduling: a waiting request's priority rises one "
+                                 "level for every this many seconds it waits, so none waits forever while "
+                                 "higher ones keep arriving (0: no aging)")
+        parser.add_argument("--watchdog-timeout", type=float, default=d["watchdog_timeout"].default,
+                            help="seconds a model step may go unanswered (or the scheduler silent) while work is "
+                                 "pending before the server exits with an error, as on a crash, so a supervisor "
+                                 "restarts it (0: off)")
+        parser.add_argument("--health-check-timeout", type=float, default=d["health_check_timeout"].default,
+                            help="/health answers 503 once the scheduler, or the model through it, has not "
+                                 "answered for this many seconds")
         parser.add_argument("--batching", default=d["batching"].default,
                             choices=["continuous", "static", "dynamic"],
                             help="static and dynamic are baselines for the batching study")

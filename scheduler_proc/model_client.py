@@ -6,7 +6,7 @@ the previous one."""
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol
+from typing import Callable, Protocol
 
 import zmq
 
@@ -28,18 +28,23 @@ class LocalModel(Protocol):
 
 class ZmqModelClient:
     """The model process, over ZMQ: it runs the batches it receives one after
-    another, so a second batch waits in the socket while the first runs."""
+    another, so a second batch waits in the socket while the first runs.
+    While a result is awaited, `on_wait` runs every `wait_poll_s` (the
+    scheduler's heartbeat and watchdog: a model that never answers must not
+    silence the scheduler too); whatever it raises ends the wait."""
 
-    def __init__(self, ctx: zmq.Context, ipc: IpcPaths) -> None:
+    def __init__(self, ctx: zmq.Context, ipc: IpcPaths, wait_poll_s: float = 0.5) -> None:
         self.to_model = PushSocket(ctx, ipc.model_input)
         self.from_model: PullSocket[ForwardResult] = PullSocket(ctx, ipc.model_output, ForwardResult)
+        self.wait_poll_ms = max(1, int(wait_poll_s * 1000))
+        self.on_wait: Callable[[], None] = lambda: None
 
     def send(self, batch: ForwardBatch) -> None:
         self.to_model.send(batch)
 
     def recv(self) -> ForwardResult:
-        result = self.from_model.recv()
-        assert result is not None  # recv without timeout blocks
+        while (result := self.from_model.recv(timeout_ms=self.wait_poll_ms)) is None:
+            self.on_wait()
         return result
 
 

@@ -63,7 +63,8 @@ class PrefillManager:
         waiting = self.queue.waiting = order_waiting_queue(
             waiting, self.args.schedule_policy, self.cache.match_len if self.cache.tree else None,
             by_priority=self.args.enable_priority_scheduling,
-            low_priority_first=self.args.schedule_low_priority_values_first)
+            low_priority_first=self.args.schedule_low_priority_values_first,
+            aging_s=self.args.priority_aging_s or None)
         # what this batch computes, as a tree of its own: a request that would
         # compute the same prefix again waits one batch and then takes it from
         # the cache (SGLang's in-batch prefix check, for every policy here)

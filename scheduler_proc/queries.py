@@ -62,16 +62,20 @@ def flush_cache(sched: SchedulerView, query: FlushCacheQuery) -> SchedulerReply:
 
 def scheduler_state(sched: SchedulerView) -> dict[str, Any]:
     """The scheduler's live state: queues, KV usage, counters."""
-    running = sched.decode.running_batch
+    queue = sched.queue
     return {
         "max_running_requests": sched.args.max_running_requests,
         "batching": sched.args.batching,
-        "num_running_reqs": len(running) if running else 0,
-        "num_waiting_reqs": len(sched.queue.waiting),
+        # every live request not waiting was admitted: in the running batch, in
+        # the prefill step in flight (not yet merged into it), in a mixed step
+        # (the running batch is lent to it), or part way through a chunked
+        # prefill. Counting the running batch alone showed 0 running while a
+        # prefill held thousands of KV slots, and routers balance on this.
+        "num_running_reqs": queue.num_admitted,
+        "num_waiting_reqs": len(queue.waiting),
         "num_grammar_queue_reqs": len(sched.queue.grammar_wait),  # waiting for their grammar to compile
         "max_queued_requests": sched.queue.max_queued,
-        # admitted, part of its prompt in the pool, the rest still to prefill:
-        # neither in the running batch nor waiting
+        # of the running: admitted, part of its prompt in the pool, the rest still to prefill
         "num_chunked_prefill_reqs": 0 if sched.prefill.chunked_req is None else 1,
         **sched.cache.stats(),
         "radix_cache": sched.radix_cache_enabled,

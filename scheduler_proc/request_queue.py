@@ -52,6 +52,12 @@ class RequestQueue:
         """Requests waiting, for their grammar or for admission."""
         return len(self.waiting) + len(self.grammar_wait)
 
+    @property
+    def num_admitted(self) -> int:
+        """Live requests past admission, wherever the step loop holds them (the
+        running batch, a prefill step in flight, a chunked prefill)."""
+        return len(self.by_rid) - len(self)
+
     def add(self, msg: TokenizedGenerateReq) -> Req | None:
         """The request for `msg`, queued; or refused (returned finished, for
         the caller to answer); None: dropped, its rid is live already."""

@@ -11,7 +11,8 @@ from collections import deque
 from typing import Callable
 
 from common.messages import (AbortKind, AbortReq, FinishAbort, FinishMatchedStr, FinishReason, ForwardMode, ModelInfo,
-                             StopMatchedReq, TokenizedGenerateReq, ToSchedulerMsg, ToTokenizerMsg)
+                             SchedulerHeartbeat, StopMatchedReq, TokenizedGenerateReq, ToSchedulerMsg,
+                             ToTokenizerMsg)
 from common.server_args import ServerArgs
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.decode_manager import DecodeManager
@@ -28,6 +29,13 @@ from scheduler_proc.timeline import Timeline
 logger = logging.getLogger(__name__)
 
 Choice = ScheduleBatch | NeedsResults | None  # what a batch chooser returns
+# how often the loop tells the front end it is alive (a SchedulerHeartbeat),
+# idle, busy or waiting for the model; the front end's bounds are many of these
+HEARTBEAT_S = 0.5
+
+
+class WatchdogTimeout(RuntimeError):
+    """The model has not answered a step for --watchdog-timeout seconds."""
 
 
 class Scheduler:
@@ -49,6 +57,7 @@ class Scheduler:
         self.overlap = not server_args.disable_overlap_schedule
         self.inflight: deque[LaunchedStep] = deque()  # sent, result not yet processed
         self.last_result_time = 0.0
+        self.last_heartbeat = 0.0  # time.perf_counter() of the last SchedulerHeartbeat
         self.radix_cache_enabled = not server_args.disable_radix_cache and self.prefix_cache_allowed
         self.cache = CacheManager(model_info.max_total_tokens, server_args.max_running_requests,
                                   self.context_len, use_tree=self.radix_cache_enabled,
@@ -191,8 +200,8 @@ class Scheduler:
                                           len(batch) - batch.decode_from))
 
     def resolve_oldest(self) -> None:
+        result = self.model.recv()  # the step stays in flight while we wait: the watchdog measures it
         step = self.inflight.popleft()
-        result = self.model.recv()
         now = time.perf_counter()
         # the model's share of the wall time: from launch, or from the previous
         # result when this step queued behind it
@@ -206,6 +215,30 @@ class Scheduler:
     def resolve_inflight(self) -> None:
         while self.inflight:
             self.resolve_oldest()
+
+    # ---- liveness ---------------------------------------------------------------------
+
+    def model_silent_s(self, now: float) -> float:
+        """Seconds the model has owed a result: since the oldest step in flight
+        was sent, or since the last result if it queued behind that one."""
+        if not self.inflight:
+            return 0.0
+        return now - max(self.inflight[0].launch_time, self.last_result_time)
+
+    def tick(self) -> None:
+        """Called every loop iteration and, while waiting for the model, every
+        HEARTBEAT_S: raises WatchdogTimeout once a step has gone unanswered for
+        --watchdog-timeout (SGLang's watchdog: a hung engine must end as a
+        crash does, so a supervisor restarts it), and sends the heartbeat."""
+        now = time.perf_counter()
+        silent = self.model_silent_s(now)
+        limit = self.args.watchdog_timeout
+        if limit and silent > limit:
+            raise WatchdogTimeout(f"the model process has not answered a step for {silent:.1f} s "
+                                  f"(--watchdog-timeout {limit:g})")
+        if now - self.last_heartbeat >= HEARTBEAT_S:
+            self.last_heartbeat = now
+            self.send_output(SchedulerHeartbeat(model_silent_s=silent))
 
     # ---- loop ---------------------------------------------------------------------------
 
@@ -256,6 +289,7 @@ class Scheduler:
         timeout_s (None: until something comes) for a message."""
         ran = True
         while True:
+            self.tick()
             if self.is_idle():
                 if ran:
                     self.check_invariant()

@@ -63,7 +63,7 @@ def build_app(
     app[ops_api.SCHEDULER_STATE] = ops_api.scheduler_state_getter(app)
 
     async def scheduler_link(app: web.Application) -> AsyncIterator[None]:
-        manager = TokenizerManager(ipc)
+        manager = TokenizerManager(ipc, server_args)
         manager.start()
         app[MANAGER] = manager
         yield

@@ -12,6 +12,13 @@ Several requests may share one wake-up event: an HTTP request that fans out
 Questions for the scheduler (`query_scheduler`: its live state, a cache
 flush, its timeline) go over the same sockets and are matched to their
 replies by id.
+
+The front end does not trust the engine to be alive: every message from the
+scheduler (its heartbeats come every half second, idle or busy) is noted, so
+/health and the watchdog can tell a silent scheduler, or a model that stopped
+answering the scheduler, from a healthy one (`unresponsive`, `hung`); and a
+request's deadline (`timeout`, --request-timeout-s) is kept here too, so a
+client gets its answer at its deadline even when the scheduler cannot act.
 """
 
 from __future__ import annotations
@@ -28,14 +35,24 @@ import zmq.asyncio
 
 from common.ipc import AsyncPullSocket, PushSocket
 from common.messages import (AbortKind, AbortReq, BatchTokenOut, FinishAbort, FinishReason, FlushCacheQuery, IpcPaths,
-                             SchedulerReply, StateQuery, StopMatchedReq, TimelineQuery, TokenizedGenerateReq,
-                             ToTokenizerMsg)
+                             SchedulerHeartbeat, SchedulerReply, StateQuery, StopMatchedReq, TimelineQuery,
+                             TokenizedGenerateReq, ToTokenizerMsg)
+from common.server_args import ServerArgs
 from tokenizer_proc.errors import ServiceUnavailableError
 from tokenizer_proc.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 ABORT_RETRY_S = 0.01  # an abort the scheduler's full queue refused is tried again this often
+# The front end ends a request this long after its deadline if the engine is
+# silent; the scheduler's own answer (its tokens, its KV freed) normally comes
+# first, and an engine that answers gets up to DEADLINE_MAX_GRACE_S to send it
+# (a long step may hold its deadline check).
+DEADLINE_GRACE_S = 0.1
+DEADLINE_MAX_GRACE_S = 2.0
+DEADLINE_RECHECK_S = 0.1
+ANSWERING_WITHIN_S = 1.0  # heard from within this, the model owing no older step: the engine answers
+DEADLINE_EXCEEDED = "deadline exceeded"  # the scheduler's words for the same finish
 
 
 @dataclass
@@ -67,6 +84,8 @@ class ReqState:
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     # Set whenever new output arrives; the handler clears it after reading.
     event: asyncio.Event = field(default_factory=asyncio.Event)
+    # the front end's own deadline for it (None: no timeout)
+    deadline_timer: asyncio.TimerHandle | None = None
 
     @property
     def finished(self) -> bool:
@@ -78,7 +97,10 @@ class DuplicateRidError(Exception):
 
 
 class TokenizerManager:
-    def __init__(self, ipc: IpcPaths) -> None:
+    def __init__(self, ipc: IpcPaths, args: ServerArgs | None = None) -> None:
+        """`args`: the time bounds kept here (default deadlines, /health, the
+        watchdog); without them (a test's bare manager) none is kept."""
+        self.args = args
         self.ctx = zmq.Context()
         self.actx = zmq.asyncio.Context()
         self.to_scheduler = PushSocket(self.ctx, ipc.scheduler_input)
@@ -92,6 +114,9 @@ class TokenizerManager:
         self._retry_task: asyncio.Task[None] | None = None
         self.metrics = ServerMetrics()
         self._loop_task: asyncio.Task[None] | None = None
+        self.last_heard = time.monotonic()  # the scheduler's last message of any kind
+        self.model_silent_s = 0.0  # from its last heartbeat: how long the model has owed a step
+        self.watchdog_error: str | None = None  # the scheduler's watchdog stopped the server: why
 
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._output_loop())
@@ -128,7 +153,33 @@ class TokenizerManager:
         except Exception:
             del self.states[req.rid]
             raise
+        timeout = req.timeout_s if req.timeout_s is not None else \
+            (self.args.request_timeout_s if self.args is not None else None)
+        if timeout is not None:
+            deadline = state.arrival_wall + timeout
+            state.deadline_timer = asyncio.get_running_loop().call_later(
+                max(0.0, deadline + DEADLINE_GRACE_S - time.time()), self._deadline_passed, state, deadline)
         return state
+
+    def _deadline_passed(self, state: ReqState, deadline: float) -> None:
+        """The request is past its deadline and the scheduler has not ended it
+        (it may be stopped, or stuck waiting for the model): the client gets
+        its abort now, and the scheduler is asked to free the KV. The state
+        stays registered until the scheduler's final row, so its rid is not
+        reused while the scheduler still holds it."""
+        state.deadline_timer = None
+        if state.finished or self.states.get(state.rid) is not state:
+            return
+        if self.engine_answering() and time.time() < deadline + DEADLINE_MAX_GRACE_S:
+            state.deadline_timer = asyncio.get_running_loop().call_later(
+                DEADLINE_RECHECK_S, self._deadline_passed, state, deadline)
+            return
+        logger.warning("request %s is past its deadline and the scheduler has not ended it: ending it here",
+                       state.rid)
+        if not state.abort_sent:
+            self._end(state, AbortReq(rid=state.rid))
+        state.finish_reason = FinishAbort(AbortKind.DEADLINE, DEADLINE_EXCEEDED)
+        state.event.set()
 
     def abort(self, state: ReqState) -> None:
         """Asks the scheduler to drop the request (its KV is freed at once). The
@@ -185,6 +236,46 @@ class TokenizerManager:
         """Stops tracking a request the scheduler may never answer (a health
         check that timed out); a late row for it is then dropped."""
         self.states.pop(state.rid, None)
+        self._cancel_deadline(state)
+
+    @staticmethod
+    def _cancel_deadline(state: ReqState) -> None:
+        if state.deadline_timer is not None:
+            state.deadline_timer.cancel()
+            state.deadline_timer = None
+
+    # ---- is the engine alive? -----------------------------------------------------------
+
+    def scheduler_silent_s(self) -> float:
+        return time.monotonic() - self.last_heard
+
+    def engine_answering(self) -> bool:
+        return self.scheduler_silent_s() < ANSWERING_WITHIN_S and self.model_silent_s < ANSWERING_WITHIN_S
+
+    def unresponsive(self) -> str | None:
+        """Why /health should say 503: the scheduler, or the model through it,
+        has not answered for --health-check-timeout; None when both answer."""
+        if self.args is None:
+            return None
+        bound = self.args.health_check_timeout
+        silent = self.scheduler_silent_s()
+        if silent > bound:
+            return f"the scheduler has not answered for {silent:.1f} s"
+        if self.model_silent_s > bound:
+            return f"the model process has not answered a step for {self.model_silent_s:.1f} s"
+        return None
+
+    def hung(self) -> str | None:
+        """Why the server must stop as on a crash: the scheduler's watchdog
+        fired, or the scheduler itself has been silent for --watchdog-timeout
+        while requests are in flight (its own watchdog cannot run then)."""
+        if self.watchdog_error is not None:
+            return self.watchdog_error
+        limit = self.args.watchdog_timeout if self.args is not None else 0.0
+        silent = self.scheduler_silent_s()
+        if limit and self.states and silent > limit:
+            return f"watchdog: the scheduler has not answered for {silent:.1f} s (--watchdog-timeout {limit:g})"
+        return None
 
     def finish_all(self, message: str) -> None:
         """Ends every request in flight at once (server shutdown: the scheduler
@@ -214,6 +305,12 @@ class TokenizerManager:
         while True:
             try:
                 out = await self.from_scheduler.recv()
+                self.last_heard = time.monotonic()
+                if isinstance(out, SchedulerHeartbeat):
+                    self.model_silent_s = out.model_silent_s
+                    if out.watchdog_error:
+                        self.watchdog_error = out.watchdog_error
+                    continue
                 if isinstance(out, SchedulerReply):
                     future = self.queries.get(out.query_id)
                     if future is not None and not future.done():
@@ -230,6 +327,10 @@ class TokenizerManager:
             state = self.states.get(rid)
             if state is None:
                 continue  # not ours any more (should not happen)
+            if state.finished:  # ended here (its deadline): its client has its answer
+                if out.finished_reasons[i] is not None:
+                    self._retire(state, out.completion_tokens[i])
+                continue
             state.output_ids.extend(out.new_token_ids[i])
             if i < len(out.output_token_logprobs):
                 state.token_logprobs.extend(out.output_token_logprobs[i])
@@ -248,9 +349,15 @@ class TokenizerManager:
                 state.first_token_wall = out.first_token_times[i]
             if out.finished_reasons[i] is not None:
                 state.finish_reason = out.finished_reasons[i]
-                del self.states[rid]
-                self.metrics.observe_finished(
-                    prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens,
-                    cached_tokens=state.cached_tokens, finish_type=state.finish_reason.type, arrival=state.arrival_wall,
-                    first_token=state.first_token_wall, finished=time.time())
+                self._retire(state, state.completion_tokens)
             state.event.set()
+
+    def _retire(self, state: ReqState, completion_tokens: int) -> None:
+        """The scheduler's final row for the request: its rid is free again."""
+        assert state.finish_reason is not None
+        del self.states[state.rid]
+        self._cancel_deadline(state)
+        self.metrics.observe_finished(
+            prompt_tokens=state.prompt_tokens, completion_tokens=completion_tokens,
+            cached_tokens=state.cached_tokens, finish_type=state.finish_reason.type, arrival=state.arrival_wall,
+            first_token=state.first_token_wall, finished=time.time())

@@ -42,7 +42,12 @@ def scheduler_state_getter(app: web.Application) -> Callable[[], Awaitable[dict[
 
 
 async def health(request: web.Request) -> web.Response:
-    """The process is up (no engine round trip: cheap enough for probes)."""
+    """200 while the engine answers: the scheduler's heartbeats arrive, and the
+    model answers its steps, within --health-check-timeout; else 503 naming
+    which is silent (no engine round trip: cheap enough for probes)."""
+    reason = request.app[MANAGER].unresponsive()
+    if reason is not None:
+        raise ServiceUnavailableError(reason)
     return json_response({})
 
 

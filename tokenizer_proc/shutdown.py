@@ -8,9 +8,12 @@ Two ways out:
   `--shutdown-timeout` seconds, then abort the rest with a finish reason that
   says why. The scheduler is still up, so their KV is freed too.
 - **fail fast** (SIGUSR1 from launch.py, or the peer watch sees the scheduler,
-  the model or launch.py die): nothing in flight will ever finish, so every
-  request ends at once with an abort carrying status 503 (a non-streaming
-  client gets an HTTP 503, a streaming one a final event). A fail fast may
+  the model or launch.py die, or the watchdog sees the engine hung: the
+  scheduler's watchdog fired, or the scheduler itself has been silent for
+  --watchdog-timeout with requests in flight): nothing in flight will ever
+  finish, so every request ends at once with an abort carrying status 503 (a
+  non-streaming client gets an HTTP 503, a streaming one a final event), and
+  the process exits 1, so launch.py takes the server down. A fail fast may
   cut a drain short.
 
 Either way every handler then gets a moment to write its answer before the
@@ -37,6 +40,7 @@ logger = logging.getLogger(__name__)
 SHUTTING_DOWN = "the server is shutting down"
 ANSWER_GRACE_S = 2.0  # how long handlers get to write their final answers
 TICK_S = 0.05
+LOOP_LAG_S = 1.0  # a watch tick this late means the event loop was held up
 
 
 def end_all(manager: TokenizerManager, reason: FinishAbort, tell_scheduler: bool) -> int:
@@ -106,14 +110,30 @@ class Shutdown:
         logger.error("%s: ended %d request(s) in flight with an error", reason, n)
 
     async def watch_peers(self, watch: PeerWatch) -> None:
-        """Fails fast when launch.py or a sibling process dies."""
+        """Fails fast when launch.py or a sibling process dies, or the engine hangs."""
+        last_tick = time.monotonic()
         while True:
-            reason = watch.lost()
+            manager = self.get_manager()
+            # the scheduler's watchdog names the cause; its exit follows
+            reason = (manager.watchdog_error if manager is not None else None) or watch.lost()
             if reason is not None:
                 self.fail_fast(reason)
                 watch.remove_socket_dir_if_orphaned()
                 return
+            now = time.monotonic()
+            # after this loop itself was held up, the scheduler's messages may be
+            # waiting unread: look again next tick, once they are read
+            if now - last_tick < POLL_S + LOOP_LAG_S:
+                reason = self._hung()
+                if reason is not None:
+                    self.fail_fast(reason)
+                    return
+            last_tick = now
             await asyncio.sleep(POLL_S)
+
+    def _hung(self) -> str | None:
+        manager = self.get_manager()
+        return manager.hung() if manager is not None else None
 
     # ---- the way out --------------------------------------------------------------------
 

@@ -1,17 +1,20 @@
 """Priority scheduling (fake model): with --enable-priority-scheduling waiting
 requests are admitted by priority, then arrival; with --priority-preemption a
 blocked request retracts running ones of strictly lower priority, which
-resume and finish with the output they would have had; aging bounds how long
-any request is passed over."""
+resume and finish with the output they would have had; aging
+(--priority-aging-s) raises a waiting request's priority a level per step
+waited, which bounds how long it is passed over without undoing priorities."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import pytest
 
 from common.messages import SamplingParams, TokenizedGenerateReq
-from scheduler_proc.policy import MAX_PASS_OVER_S
+from scheduler_proc.policy import MAX_PASS_OVER_S, order_waiting_queue
+from scheduler_proc.req import Req
 from tests.scheduler.fake_model import next_token
 from tests.scheduler.test_scheduler import MODES, Harness
 
@@ -103,13 +106,25 @@ def test_preemption_needs_priority_scheduling():
         Harness(priority_preemption=True)
 
 
-def test_a_low_priority_request_is_not_passed_over_for_longer_than_the_aging_bound(monkeypatch):
-    """One request admitted at a time, a new high-priority request every 0.5 s,
-    and one low-priority request: the high ones would go first forever; the
-    low one is admitted once it has waited MAX_PASS_OVER_S."""
-    clock = [1000.0]
-    monkeypatch.setattr(time, "time", lambda: clock[0])
-    h = Harness(max_running=1, enable_priority_scheduling=True, disable_overlap_schedule=True)
+@pytest.fixture
+def clock(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: now[0])
+    return now
+
+
+def finish_order(h: Harness) -> list[str]:
+    return [rid for m in h.outputs for rid, reason in zip(m.rids, m.finished_reasons) if reason is not None]
+
+
+@pytest.mark.parametrize("aging_s", [1.0, 2.0])
+def test_a_low_priority_request_is_not_passed_over_for_longer_than_the_aging_bound(clock, aging_s):
+    """One request admitted at a time, a new request of priority 5 every 0.5 s,
+    and one of priority 0: without aging the high ones would go first
+    forever; with --priority-aging-s the low one gains a level per aging_s
+    seconds waited and is admitted once it has waited 5 levels' worth."""
+    h = Harness(max_running=1, enable_priority_scheduling=True, disable_overlap_schedule=True,
+                priority_aging_s=aging_s)
     submit(h, "h000", 10, 1, priority=5)
     submit(h, "low", 10, 1, priority=0)
     for k in range(1, 100):
@@ -120,8 +135,74 @@ def test_a_low_priority_request_is_not_passed_over_for_longer_than_the_aging_bou
             break
     waited = next(e["t"] for e in h.sched.timeline.events
                   if e.get("rid") == "low" and e["event"] == "admitted") - 1000.0
-    assert MAX_PASS_OVER_S < waited <= MAX_PASS_OVER_S + 1.0
-    assert sum(1 for rid in h.finals() if rid.startswith("h")) >= 8  # the high ones did go first meanwhile
+    bound = 5 * aging_s  # the priority gap, in aging steps
+    assert bound <= waited <= bound + 1.0
+    assert sum(1 for rid in h.finals() if rid.startswith("h")) >= 2 * bound - 2  # the high ones did go first meanwhile
+
+
+def test_without_aging_a_stream_of_higher_priorities_keeps_a_low_one_waiting(clock):
+    h = Harness(max_running=1, enable_priority_scheduling=True, disable_overlap_schedule=True,
+                priority_aging_s=0)
+    submit(h, "low", 10, 1, priority=0)
+    submit(h, "h000", 10, 1, priority=5)
+    for k in range(1, 60):  # 30 s of a new high-priority request every 0.5 s
+        clock[0] += 0.5
+        submit(h, f"h{k:03d}", 10, 1, priority=5)
+        h.sched.step()
+    assert "low" not in h.finals()
+    h.run_until_idle()
+    assert finish_order(h)[-1] == "low"
+
+
+def test_a_high_priority_request_goes_ahead_of_low_ones_queued_longer_than_5_s(clock):
+    """The issue's reproduction: one long request on --max-running-requests 1,
+    three priority-0 requests, then a priority-10 one, the queue more than
+    5 s deep. With the default aging (a level per 5 s) the priority-0
+    requests have gained one level, not ten: the priority-10 one goes first."""
+    h = Harness(max_running=1, enable_priority_scheduling=True, disable_overlap_schedule=True)
+    submit(h, "long", 10, 60)
+    h.sched.step()  # "long" runs; the rest wait
+    for rid in ("p0-a", "p0-b", "p0-c"):
+        submit(h, rid, 10, 3, priority=0)
+    for _ in range(40):  # 8 s of the long request decoding
+        clock[0] += 0.2
+        h.sched.step()
+    submit(h, "p10", 10, 3, priority=10)
+    for _ in range(30):
+        clock[0] += 0.2
+        h.sched.step()
+    h.run_until_idle()
+    order = finish_order(h)
+    assert order[0] == "long" and order[1] == "p10", order
+    assert order[2:] == ["p0-a", "p0-b", "p0-c"]
+    h.assert_no_leak()
+
+
+def test_aging_gives_one_level_per_aging_step_and_lpm_overdue_never_beats_a_priority():
+    now = 1000.0
+
+    def req(rid: str, priority: int, waited: float) -> Req:
+        r = Req(rid=rid, origin_input_ids=[1, 2, 3], sampling_params=SamplingParams(),
+                stop_token_ids=frozenset(), priority=priority)
+        r.waiting_since = now - waited
+        return r
+
+    def order(q: deque[Req], **kw) -> list[str]:
+        return [r.rid for r in order_waiting_queue(q, kw.pop("policy", "fcfs"), kw.pop("match_len", None),
+                                                   now, by_priority=True, **kw)]
+
+    # a gap of 3 levels at 5 s a level: the low one passes only after 15 s
+    assert order(deque([req("low", 0, 14.9), req("high", 3, 0.0)]), aging_s=5.0) == ["high", "low"]
+    assert order(deque([req("low", 0, 15.0), req("high", 3, 0.0)]), aging_s=5.0) == ["low", "high"]
+    assert order(deque([req("low", 0, 1e6), req("high", 3, 0.0)]), aging_s=None) == ["high", "low"]
+    # smaller values first: the same rule, mirrored
+    assert order(deque([req("p9", 9, 14.9), req("p6", 6, 0.0)]), aging_s=5.0, low_priority_first=True) \
+        == ["p6", "p9"]
+    # lpm's own bound (MAX_PASS_OVER_S) orders equals only: an overdue miss
+    # goes ahead of a hit of its own priority, never of a higher one
+    q = deque([req("miss", 0, MAX_PASS_OVER_S + 1), req("hit", 0, 0.0), req("high", 1, 0.0)])
+    hits = {"miss": 0, "hit": 3, "high": 0}
+    assert order(q, policy="lpm", match_len=lambda r: hits[r.rid], aging_s=None) == ["high", "miss", "hit"]
 
 
 def test_with_low_values_first_preemption_takes_the_largest_value():

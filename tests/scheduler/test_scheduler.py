@@ -268,7 +268,7 @@ def test_state_counts_the_request_in_chunked_prefill():
     h.submit("long", n_prompt=50, max_new=3)
     h.sched.step()  # the first 16-token chunk
     state = scheduler_state(h.sched)
-    assert (state["num_running_reqs"], state["num_waiting_reqs"], state["num_chunked_prefill_reqs"]) == (0, 0, 1)
+    assert (state["num_running_reqs"], state["num_waiting_reqs"], state["num_chunked_prefill_reqs"]) == (1, 0, 1)
     assert state["free_kv_slots"] == state["total_kv_slots"] - 16
     h.run_until_idle()
     assert scheduler_state(h.sched)["num_chunked_prefill_reqs"] == 0

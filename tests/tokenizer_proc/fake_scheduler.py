@@ -26,9 +26,10 @@ import zmq
 import zmq.asyncio
 
 from common.messages import (AbortKind, AbortReq, BatchTokenOut, FinishAbort, FinishLength, FinishMatchedToken,
-                             FinishReason, IpcPaths, SchedulerReply, StateQuery, StopMatchedReq, TimelineQuery,
-                             FlushCacheQuery, ToSchedulerMsg, TokenizedGenerateReq)
+                             FinishReason, IpcPaths, SchedulerHeartbeat, SchedulerReply, StateQuery, StopMatchedReq,
+                             TimelineQuery, FlushCacheQuery, ToSchedulerMsg, TokenizedGenerateReq)
 
+HEARTBEAT_S = 0.5  # as the real scheduler's
 
 FAKE_STATE = {"num_running_reqs": 1, "num_waiting_reqs": 2, "token_usage": 0.25,
               "total_retractions": 3, "new_token_ratio": 0.5, "batch_utilisation": 1.0,
@@ -65,6 +66,20 @@ class FakeScheduler:
         return [m for m in self.received if isinstance(m, TokenizedGenerateReq)]
 
     async def run(self) -> None:
+        beat = asyncio.create_task(self._heartbeat())
+        try:
+            await self._serve_messages()
+        finally:
+            beat.cancel()
+
+    async def _heartbeat(self) -> None:
+        """Like the real scheduler's, so the front end sees it alive (unless silent)."""
+        while True:
+            if not self.silent:
+                await self.push.send(self._encoder.encode(SchedulerHeartbeat()))
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def _serve_messages(self) -> None:
         while True:
             msg = self._decoder.decode(await self.pull.recv())
             self.received.append(msg)
