@@ -53,8 +53,11 @@ from scheduler_proc.req import Req
 
 class CacheManager:
     def __init__(self, pool_size: int, num_rows: int, context_len: int, use_tree: bool,
-                 page_size: int = 1) -> None:
+                 page_size: int = 1, max_idle_cached: int | None = None) -> None:
         self.allocator = PageAllocator(pool_size, page_size)
+        # evictable tree slots kept before a page is taken from the pool's
+        # never-touched memory (None: no bound; see _take_pages)
+        self.max_idle_cached = max_idle_cached
         self.page_size = page_size
         self.size = self.allocator.size
         self.req_to_token_pool = ReqToTokenPool(num_rows, context_len)
@@ -89,7 +92,19 @@ class CacheManager:
 
     def _take_pages(self, n: int) -> torch.Tensor | None:
         """n pages, evicting unlocked cache if the free list is short; None if
-        even that is not enough (nothing is evicted then)."""
+        even that is not enough (nothing is evicted then).
+
+        Pages freed before come first (the allocator's order). Past them, a
+        page the pool never handed out costs memory the process has not yet
+        committed, so while the tree keeps more than `max_idle_cached` slots
+        that no request uses, its least recently used ones are evicted and
+        reused first: the resident pool follows the load (plus that much
+        cache) instead of growing to the whole pool as the tree fills it."""
+        if self.tree is not None and self.max_idle_cached is not None:
+            fresh = n - self.allocator.reusable_pages()
+            over = self.tree.evictable_size - self.max_idle_cached
+            if fresh > 0 and over > 0:
+                self.tree.evict(min(fresh * self.page_size, over))
         short = n * self.page_size - self.allocator.available()
         if short > 0:
             if self.tree is None or self.tree.evictable_size < short:
@@ -305,6 +320,7 @@ class CacheManager:
         tree = self.tree
         return {
             "free_kv_slots": self.allocator.available(),
+            "touched_kv_slots": self.allocator.touched_slots(),  # ever handed out: the pool's resident part
             "evictable_kv_slots": tree.evictable_size if tree else 0,
             "protected_kv_slots": tree.protected_size if tree else 0,
             "held_kv_slots": self.size - self.available(),  # by requests, directly or by lock
