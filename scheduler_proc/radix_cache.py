@@ -143,7 +143,9 @@ class RadixCache:
         if self.page_size > 1 and pos < len(key):
             rest = key[pos:pos + self.page_size]
             best, k = None, 0
-            for child in node.children.values():  # few: a node's children differ in their first page
+            for child in node.children.values():
+                if child.key[0] != rest[0]:
+                    continue
                 n = _shared_len(child.key[:len(rest)], rest)
                 if n > k:
                     best, k = child, n
@@ -194,7 +196,7 @@ class RadixCache:
     def _holding(self, node: TreeNode, rows: list[int]) -> TreeNode | None:
         """A child of `node` whose first rows are `rows` (fewer than a page)."""
         for child in node.children.values():
-            if child.key[:len(rows)] == rows:
+            if child.key[0] == rows[0] and child.key[:len(rows)] == rows:
                 child.last_access = next(_clock)
                 return child
         return None
@@ -205,8 +207,8 @@ class RadixCache:
         match needs them any more. One that a request holds (a copy not yet
         sent) stays, to be evicted later like any leaf."""
         for first, child in list(node.children.items()):
-            if len(child) < self.page_size and len(child) < len(rest) and child.lock_ref == 0 \
-                    and not child.children and rest[:len(child)] == child.key:
+            if len(child) < self.page_size and len(child) < len(rest) and child.key[0] == rest[0] \
+                    and child.lock_ref == 0 and not child.children and rest[:len(child)] == child.key:
                 self.free_slots(child.value)
                 self.evictable_size -= self._slots(child)
                 del node.children[first]
