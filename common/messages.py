@@ -313,6 +313,12 @@ class ForwardBatch(msgspec.Struct, tag=True):
     table_rows: list[int] = []
     table_lens: list[int] = []
     table_slots: list[int] = []
+    # KV rows to copy, every layer's K and V, before anything the step writes:
+    # slot kv_copy_src[i] into kv_copy_dst[i]. A prefix match that ends inside
+    # a page gives its request those rows (fewer than a page) in a page of
+    # its own; the table rewrite above already maps its positions to dst.
+    kv_copy_src: list[int] = []
+    kv_copy_dst: list[int] = []
     penalty_rows: list[int] = []
     penalty_inits: list[PenaltyInit] = []
     # Prompt logprobs (extend only), for the rows that asked for them: row

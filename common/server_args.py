@@ -96,6 +96,10 @@ class ServerArgs:
     stream_interval: int = 1
     disable_overlap_schedule: bool = False  # plain loop: read step t's result before sending t+1
     disable_radix_cache: bool = False  # no prefix cache: every request computes its whole prompt
+    # cached tokens no running request uses that the prefix cache keeps before a new page
+    # reuses its least recently used ones rather than untouched pool memory; None: 16384
+    # on a CPU (the pool's memory is committed as it is first written), -1 (no bound) on a GPU
+    prefix_cache_max_idle_tokens: int | None = None
     # HTTP
     api_key: str = ""  # when set, every route but /health needs "Authorization: Bearer KEY"
     max_request_bytes: int = 16 * 2**20
@@ -138,6 +142,10 @@ class ServerArgs:
                 self.attention_backend = "torch" if self.deterministic else "native"
         if self.max_request_bytes < 1:
             raise ValueError("--max-request-bytes must be >= 1")
+        if self.prefix_cache_max_idle_tokens is None:
+            self.prefix_cache_max_idle_tokens = -1 if self.device.startswith("cuda") else 16384
+        if self.prefix_cache_max_idle_tokens < -1:
+            raise ValueError("--prefix-cache-max-idle-tokens must be >= 0, or -1 for no bound")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be at least 1, not {self.cpu_threads}")
         if self.cpu_allocator not in ("auto", "tcmalloc", "system"):
@@ -322,6 +330,11 @@ class ServerArgs:
         parser.add_argument("--disable-radix-cache", action="store_true",
                             help="turn off the prefix cache (on by default; static and dynamic "
                                  "batching always run without it)")
+        parser.add_argument("--prefix-cache-max-idle-tokens", type=int, default=None,
+                            help="cached tokens no running request uses that the prefix cache keeps "
+                                 "before new pages reuse its least recently used ones instead of "
+                                 "pool memory never touched (default: 16384 on a CPU, where the pool "
+                                 "is committed as it is written; -1, no bound, on a GPU)")
         parser.add_argument("--api-key", default=os.environ.get("API_KEY", ""),
                             help="require 'Authorization: Bearer KEY' (default: $API_KEY)")
         parser.add_argument("--max-request-bytes", type=int,

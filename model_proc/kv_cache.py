@@ -52,6 +52,13 @@ class KVPool:
         self.k_buffer[layer_id].index_copy_(0, loc, k)
         self.v_buffer[layer_id].index_copy_(0, loc, v)
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K and V of slots `src` into slots `dst` (int64, on
+        the pool's device; no slot in both). The rows of a cached page that
+        a request's prefix match ends inside, copied into its own page."""
+        for buf in self.k_buffer + self.v_buffer:
+            buf.index_copy_(0, dst, buf.index_select(0, src))
+
 
 class ReqToTokenTable:
     """`table[row, pos]` = KV slot of token `pos` of the request in `row`.

@@ -182,8 +182,11 @@ class ModelRunner:
         """The step's inputs, built once (model_proc/step_inputs.py), with its
         slots written into req_to_token: the scheduler decides every slot, this
         table follows (after the rows the scheduler rewrote, table_rows, took
-        their new prefixes)."""
+        their new prefixes). The KV rows the batch copies are copied first."""
         self.check_batch(batch)
+        if batch.kv_copy_src:  # before the step writes anything: a copy's source may be reused by it
+            self.kv_pool.copy_slots(torch.tensor(batch.kv_copy_src, dtype=torch.int64, device=self.device),
+                                    torch.tensor(batch.kv_copy_dst, dtype=torch.int64, device=self.device))
         inputs = self.step_inputs.build(batch)
         if inputs.table_rewrite is not None:
             self._rewrite_rows(*inputs.table_rewrite)
@@ -239,6 +242,12 @@ class ModelRunner:
                              or min(b.table_lens) < 1 or max(b.table_lens) > self.context_len
                              or min(b.table_slots) < 1 or max(b.table_slots) > self.max_total_tokens):
             raise ValueError("ForwardBatch: table_rows/table_lens/table_slots are inconsistent")
+        if b.kv_copy_src and (len(b.kv_copy_src) != len(b.kv_copy_dst)
+                              or min(b.kv_copy_src + b.kv_copy_dst) < 1
+                              or max(b.kv_copy_src + b.kv_copy_dst) > self.max_total_tokens
+                              or len(set(b.kv_copy_dst)) != len(b.kv_copy_dst)
+                              or not set(b.kv_copy_dst).isdisjoint(b.kv_copy_src)):
+            raise ValueError("ForwardBatch: kv_copy_src/kv_copy_dst are inconsistent")
         if min(b.input_ids) < FUTURE_TOKEN or max(b.input_ids) >= self.model_config.vocab_size:
             raise ValueError("ForwardBatch: input_ids outside the vocabulary")
         if mode.is_extend() and FUTURE_TOKEN in b.input_ids[:num_new - b.decode_rows]:

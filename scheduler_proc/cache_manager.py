@@ -42,24 +42,40 @@ resets both.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from scheduler_proc.memory import PageAllocator, ReqToTokenPool, int64_tensor, slots_taken
-from scheduler_proc.radix_cache import PrefixMatch, RadixCache
+from scheduler_proc.radix_cache import PrefixMatch, RadixCache, TreeNode
 from scheduler_proc.req import Req
+
+
+@dataclass(slots=True)
+class KVCopy:
+    """Rows a request took from the tree as a copy (its match ended inside a
+    page): the tree's slots `src`, held by `node`'s lock until the copy goes
+    out with the request's first extend, into `dst`, its own first page."""
+
+    node: TreeNode
+    src: torch.Tensor
+    dst: torch.Tensor
 
 
 class CacheManager:
     def __init__(self, pool_size: int, num_rows: int, context_len: int, use_tree: bool,
-                 page_size: int = 1) -> None:
+                 page_size: int = 1, max_idle_cached: int | None = None) -> None:
         self.allocator = PageAllocator(pool_size, page_size)
+        # evictable tree slots kept before a page is taken from the pool's
+        # never-touched memory (None: no bound; see _take_pages)
+        self.max_idle_cached = max_idle_cached
         self.page_size = page_size
         self.size = self.allocator.size
         self.req_to_token_pool = ReqToTokenPool(num_rows, context_len)
         self.tree = RadixCache(self.allocator.free, page_size) if use_tree else None
         self.resident: dict[int, Req] = {}  # table row -> the request holding it
+        self.pending_copies: dict[int, KVCopy] = {}  # table row -> rows to copy with its first extend
         # hit rate: prompt tokens offered to match on admission vs. taken from the tree
         self.matched_tokens = 0
         self.offered_tokens = 0
@@ -89,7 +105,19 @@ class CacheManager:
 
     def _take_pages(self, n: int) -> torch.Tensor | None:
         """n pages, evicting unlocked cache if the free list is short; None if
-        even that is not enough (nothing is evicted then)."""
+        even that is not enough (nothing is evicted then).
+
+        Pages freed before come first (the allocator's order). Past them, a
+        page the pool never handed out costs memory the process has not yet
+        committed, so while the tree keeps more than `max_idle_cached` slots
+        that no request uses, its least recently used ones are evicted and
+        reused first: the resident pool follows the load (plus that much
+        cache) instead of growing to the whole pool as the tree fills it."""
+        if self.tree is not None and self.max_idle_cached is not None:
+            fresh = n - self.allocator.reusable_pages()
+            over = self.tree.evictable_size - self.max_idle_cached
+            if fresh > 0 and over > 0:
+                self.tree.evict(min(fresh * self.page_size, over))
         short = n * self.page_size - self.allocator.available()
         if short > 0:
             if self.tree is None or self.tree.evictable_size < short:
@@ -168,26 +196,67 @@ class CacheManager:
 
     def newly_protected(self, match: PrefixMatch | None) -> int:
         """Evictable slots that admitting with `match` would lock (they stop
-        counting as available)."""
-        return self.tree.evictable_on_path(match.node) if self.tree and match else 0
+        counting as available): its path, and the node it copies rows from
+        until the copy is sent."""
+        if self.tree is None or match is None:
+            return 0
+        return self.tree.evictable_on_path(match.copy_node or match.node)
 
     def admit(self, req: Req, match: PrefixMatch | None) -> None:
         """Give `req` a table row holding its matched prefix, locked in the tree.
-        The caller checked that a row is free (the running-request budget)."""
+        The caller checked that a row is free (the running-request budget) and
+        budgeted the slots (PrefillAdder.fit).
+
+        A match that ends inside a page (PrefixMatch.copy_slots) gives `req`
+        a page of its own now, whose first rows the model copies from the
+        tree's before the request's first extend computes the rest: its
+        kv_len counts them, its own pages start at cached_prefix_len as
+        always. The source node stays locked until that extend is prepared
+        (take_kv_copies); nothing can overwrite it before the copy runs, as
+        the model runs a step's copies before anything the step writes, and
+        steps in order."""
         row = self.req_to_token_pool.alloc()
         assert row is not None, "admitted without a free req_to_token row"
         req.req_pool_idx = row
         self.resident[row] = req
-        n = match.length if match is not None else 0
+        n = k = 0
         if match is not None:
             assert self.tree is not None
+            n = int(match.slots.numel())
             self.tree.lock(match.node)
             req.last_node = match.node
             self.table[row, :n] = match.slots.to(torch.int32)
             req.table_sync_len = n
+            if match.copy_node is not None:
+                self.tree.lock(match.copy_node)  # before taking the page: eviction must not take the source
+                page = self._take_pages(1)
+                if page is None:  # the budget counted the page; stay safe if it is not there
+                    self.tree.unlock(match.copy_node)
+                else:
+                    k = int(match.copy_slots.numel())
+                    dst = self.allocator.first_slots(page) + torch.arange(k)
+                    self.table[row, n:n + k] = dst.to(torch.int32)
+                    self.pending_copies[row] = KVCopy(match.copy_node, match.copy_slots, dst)
+                    req.table_sync_len = n + k
             self.offered_tokens += req.num_tokens - 1
-            self.matched_tokens += n
-        req.cached_prefix_len = req.kv_len = n
+            self.matched_tokens += n + k
+        req.cached_prefix_len = n
+        req.kv_len = n + k
+
+    def take_kv_copies(self, reqs: list[Req]) -> tuple[list[int], list[int]]:
+        """The copies the rows of a step's extend are owed (source slots,
+        destination slots), now going out with it: their sources are
+        unlocked, since anything written there later runs after them."""
+        src: list[int] = []
+        dst: list[int] = []
+        for r in reqs:
+            copy = self.pending_copies.pop(r.req_pool_idx, None)
+            if copy is not None:
+                assert self.tree is not None
+                self.tree.unlock(copy.node)
+                src += copy.src.tolist()
+                dst += copy.dst.tolist()
+        return src, dst
 
     # ---- while running -------------------------------------------------------------------
 
@@ -230,19 +299,24 @@ class CacheManager:
     def release(self, req: Req, cache: bool) -> None:
         """Take back `req`'s row and slots. `cache`: it finished, so its prompt
         and output go into the tree for later requests (the tokens whose KV is,
-        or will be by a step already sent, in its slots). Otherwise (retraction,
-        abort) only its own tail is freed and its prefix unlocked."""
+        or will be by a step already sent, in its slots), its last partly
+        filled page too. Otherwise (retraction, abort) only its own tail is
+        freed and its prefix unlocked."""
         if not req.req_pool_idx:
             return
         row = self.table[req.req_pool_idx]
         kept = req.cached_prefix_len
         if cache and self.tree is not None:
             kept = min(req.kv_len, req.num_tokens)
-            kept -= kept % self.page_size  # whole pages only
             if kept > req.cached_prefix_len:
                 self._insert_own(req, req.fill_ids[:kept], row[:kept].long())
-        if req.kv_len > kept:
-            self.allocator.free(row[kept:req.kv_len].long())
+        end_of_kept = self.pages_for(kept)  # a page the tree took part of is the tree's
+        if req.kv_len > end_of_kept:
+            self.allocator.free(row[end_of_kept:req.kv_len].long())
+        copy = self.pending_copies.pop(req.req_pool_idx, None)
+        if copy is not None:  # admitted, never sent
+            assert self.tree is not None
+            self.tree.unlock(copy.node)
         self._unlock(req)
         del self.resident[req.req_pool_idx]
         self.req_to_token_pool.free(req.req_pool_idx)
@@ -305,6 +379,7 @@ class CacheManager:
         tree = self.tree
         return {
             "free_kv_slots": self.allocator.available(),
+            "touched_kv_slots": self.allocator.touched_slots(),  # ever handed out: the pool's resident part
             "evictable_kv_slots": tree.evictable_size if tree else 0,
             "protected_kv_slots": tree.protected_size if tree else 0,
             "held_kv_slots": self.size - self.available(),  # by requests, directly or by lock

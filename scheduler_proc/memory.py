@@ -35,7 +35,15 @@ class PageAllocator:
     runs of `page_size` consecutive slots: attention streams a run instead of
     fetching rows scattered over the pool (SGLang's --page-size, vLLM's block
     size). A stack of page ids in one preallocated tensor: alloc takes the top
-    n, free pushes back, each a slice copy costing the pages moved."""
+    n, free pushes back, each a slice copy costing the pages moved.
+
+    Freed pages are handed out again before pages never handed out (LIFO: the
+    most recently freed first). The pool is allocated untouched (on a CPU its
+    memory is committed only when a slot is first written), so the pages ever
+    handed out are what the pool costs in memory: reusing the warm ones keeps
+    that set as small as the load allows, and their lines in the CPU's caches.
+    The never-handed-out pages are the bottom `untouched` entries of the stack
+    (frees land above them), so telling the two apart is one counter."""
 
     def __init__(self, num_slots: int, page_size: int) -> None:
         assert page_size >= 1
@@ -44,16 +52,26 @@ class PageAllocator:
         self.size = self.num_pages * page_size  # slots in whole pages; a partial last page is unused
         self.stack = torch.arange(self.num_pages, dtype=torch.int64)
         self.num_free = self.num_pages
+        self.untouched = self.num_pages  # stack[:untouched]: pages never handed out
 
     def available(self) -> int:
         """Free slots (whole pages)."""
         return self.num_free * self.page_size
 
+    def reusable_pages(self) -> int:
+        """Free pages that were handed out before (their memory is resident)."""
+        return self.num_free - self.untouched
+
+    def touched_slots(self) -> int:
+        """Slots of the pages ever handed out: the pool's resident part."""
+        return (self.num_pages - self.untouched) * self.page_size
+
     def alloc_pages(self, n: int) -> torch.Tensor | None:
-        """n page ids, or None if fewer are free."""
+        """n page ids, or None if fewer are free: freed ones first, most recent first."""
         if n > self.num_free:
             return None
         self.num_free -= n
+        self.untouched = min(self.untouched, self.num_free)
         return self.stack[self.num_free:self.num_free + n].clone()  # frees overwrite the stack
 
     def first_slots(self, pages: torch.Tensor) -> torch.Tensor:

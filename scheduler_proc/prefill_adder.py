@@ -81,15 +81,20 @@ class PrefillAdder:
     def fit(self, req: Req, prefix_len: int = 0, newly_protected: int = 0) -> tuple[int, int] | None:
         """Whether `req` would be admitted now: (the tokens it would compute in
         this prefill, the KV slots it would be promised), or None. Changes
-        nothing. `prefix_len` tokens come from the prefix cache; locking them
+        nothing. `prefix_len` tokens come from the prefix cache (shared
+        pages, then maybe rows copied into a page of its own); locking them
         takes `newly_protected` evictable slots out of what the budget counted
         as available."""
         if self.rem_running <= 0 or self.new_chunked_req is not None:
             return None
         extend = req.num_tokens - prefix_len
         # the whole remaining prompt must fit, even when only a chunk runs now,
-        # so that a chunked request can always finish its prefill
-        need = slots_taken(prefix_len, extend, self.page_size) + expected_new_tokens(req, self.new_token_ratio) + newly_protected
+        # so that a chunked request can always finish its prefill; its own
+        # pages start at the last page boundary of the prefix (rows of a page
+        # the match ends inside are copied into the first of them)
+        own_from = prefix_len - prefix_len % self.page_size
+        need = slots_taken(own_from, req.num_tokens - own_from, self.page_size) \
+            + expected_new_tokens(req, self.new_token_ratio) + newly_protected
         if need > self.rem_total_tokens:
             return None
         # one request longer than the prefill budget still runs, alone

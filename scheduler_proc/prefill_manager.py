@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Literal
 
 import torch
 
@@ -14,7 +15,7 @@ from common.server_args import ServerArgs
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.policy import order_waiting_queue
 from scheduler_proc.prefill_adder import Admitted, PrefillAdder
-from scheduler_proc.radix_cache import RadixCache
+from scheduler_proc.radix_cache import PrefixMatch, RadixCache
 from scheduler_proc.req import Req
 from scheduler_proc.request_queue import RequestQueue
 from scheduler_proc.schedule_batch import ScheduleBatch
@@ -78,7 +79,9 @@ class PrefillManager:
             if in_batch is not None and cached + IN_BATCH_PREFIX_MIN <= in_batch.match_prefix(
                     req.fill_ids[:req.prefix_limit], req.cache_salt).length:
                 continue
-            if not adder.try_add(req, prefix_len=cached, newly_protected=self.cache.newly_protected(match)):
+            match = self._fitting_match(adder, req, match)
+            if match is False or not adder.try_add(req, prefix_len=match.length if match else 0,
+                                                   newly_protected=self.cache.newly_protected(match)):
                 self.blocked = req
                 break
             self.cache.admit(req, match)  # its row, and its prefix locked in the tree
@@ -101,12 +104,21 @@ class PrefillManager:
         n = req.kv_len + admitted.extend_len
         in_batch.insert(req.fill_ids[:n], torch.zeros(n, dtype=torch.int64), req.cache_salt)
 
+    def _fitting_match(self, adder: PrefillAdder, req: Req,
+                       match: PrefixMatch | None) -> PrefixMatch | None | Literal[False]:
+        """`match`, or, when `req` does not fit with it, the match without the
+        rows it would copy (their source page stays locked until the copy is
+        sent, which a tight pool may not afford); False if neither fits."""
+        for m in (match, match.without_copy()) if match is not None and match.copy_node else (match,):
+            if adder.fit(req, prefix_len=m.length if m else 0,
+                         newly_protected=self.cache.newly_protected(m)) is not None:
+                return m
+        return False
+
     def would_admit(self, req: Req, running: list[Req], new_token_ratio: float) -> bool:
         """Whether a prefill built now would admit `req` first (no step in flight)."""
         adder = self.adder(running, new_token_ratio, self.args.max_running_requests)
-        match = self.cache.match(req)
-        return adder.fit(req, prefix_len=match.length if match else 0,
-                         newly_protected=self.cache.newly_protected(match)) is not None
+        return self._fitting_match(adder, req, self.cache.match(req)) is not False
 
     def start(self, admitted: list[Admitted], num_running: int, continuing: Req | None = None) -> ScheduleBatch:
         """The prefill batch of the admitted requests, slots allocated;

@@ -14,10 +14,16 @@ caller's (`free_slots`), so one class (CacheManager) owns the slot lifecycle.
 Requests with different `cache_salt` never share a node: each salt has a
 root of its own.
 
-With pages of several tokens (`page_size`, the allocator's) the tree holds
-whole pages only: keys are matched and cut at page boundaries, a node's
-children are told apart by their first page, and eviction frees whole pages.
-A request's last partial page is never shared (SGLang does the same).
+With pages of several tokens (`page_size`, the allocator's) keys are walked
+and cut at page boundaries, a node's children are told apart by their first
+page, and eviction frees whole pages. A leaf may end inside its last page (a
+finished request's last, partly filled page: the tokens it holds). A match
+walks whole pages and then may go on inside the next page: those rows (fewer
+than a page) cannot be shared in place, since a request writes its next
+tokens into the rest of that page, so the match names them (`copy_slots`,
+in `copy_node`) for the caller to copy into a page of the request's own.
+Such a partial leaf is superseded, and dropped if no one holds it, when a
+key that extends it goes in: the new key's own page holds the same rows.
 """
 
 from __future__ import annotations
@@ -51,15 +57,25 @@ class TreeNode:
 
 @dataclass
 class PrefixMatch:
-    """The longest cached prefix of a key: its slots, and the deepest node the
-    match ends on (lock it to keep the whole path in the tree)."""
+    """The longest cached prefix of a key: the slots of its whole pages, and
+    the deepest node they end on (lock it to keep the whole path in the tree);
+    then the rows the tree holds inside the next page (`copy_slots`, fewer
+    than a page, the first rows of `copy_node`, a child of `node`), which a
+    request can only take as a copy."""
 
     slots: torch.Tensor
     node: TreeNode
+    copy_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    copy_node: TreeNode | None = None
 
     @property
     def length(self) -> int:
-        return int(self.slots.numel())
+        """Tokens matched: the shared pages' and the rows to copy."""
+        return int(self.slots.numel()) + int(self.copy_slots.numel())
+
+    def without_copy(self) -> "PrefixMatch":
+        """The shared pages alone (when the copy's page does not fit)."""
+        return PrefixMatch(slots=self.slots, node=self.node)
 
 
 def _shared_len(a: list[int], b: list[int]) -> int:
@@ -92,6 +108,10 @@ class RadixCache:
     def _whole_pages(self, n: int) -> int:
         return n - n % self.page_size
 
+    def _slots(self, node: TreeNode) -> int:
+        """Slots a node holds: whole pages (a partial leaf holds all of its last page)."""
+        return -(-len(node) // self.page_size) * self.page_size
+
     @property
     def total_size(self) -> int:
         return self.evictable_size + self.protected_size
@@ -99,17 +119,19 @@ class RadixCache:
     # ---- lookup and insertion -----------------------------------------------------------
 
     def match_prefix(self, key: list[int], salt: str = "") -> PrefixMatch:
-        """The longest prefix of `key` in the tree, in whole pages. A match that
-        ends inside a node splits it, so the match always ends on a node boundary."""
+        """The longest prefix of `key` in the tree: whole pages along the path,
+        then, with pages of several tokens, the rows of the next page that a
+        child holds (to copy; see PrefixMatch). A match that ends inside a
+        node at a page boundary splits it, so the shared pages end on a node."""
         node = self.root(salt)
         parts: list[torch.Tensor] = []
         pos = 0
-        key = key[:self._whole_pages(len(key))]
-        while pos < len(key):
+        whole = self._whole_pages(len(key))
+        while pos < whole:
             child = node.children.get(self._child_key(key, pos))
             if child is None:
                 break
-            n = self._whole_pages(_shared_len(child.key, key[pos:]))
+            n = self._whole_pages(_shared_len(child.key, key[pos:whole]))
             if n < len(child):
                 child = self._split(child, n)
             child.last_access = next(_clock)
@@ -117,37 +139,85 @@ class RadixCache:
             node = child
             pos += n
         slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-        return PrefixMatch(slots=slots, node=node)
+        match = PrefixMatch(slots=slots, node=node)
+        if self.page_size > 1 and pos < len(key):
+            rest = key[pos:pos + self.page_size]
+            best, k = None, 0
+            for child in node.children.values():
+                if child.key[0] != rest[0]:
+                    continue
+                n = _shared_len(child.key[:len(rest)], rest)
+                if n > k:
+                    best, k = child, n
+            if best is not None:
+                if len(best) > self.page_size:  # lock no more than the page copied from
+                    best = self._split(best, self.page_size)
+                best.last_access = next(_clock)
+                match.copy_node, match.copy_slots = best, best.value[:k]
+        return match
 
     def insert(self, key: list[int], slots: torch.Tensor, salt: str = "") -> int:
         """Add `key` with its `slots`. Returns how many leading tokens were in
         the tree already: their slots in `slots` are duplicates that the caller
         still owns (and frees); the rest now belong to the tree (evictable).
-        `key` is whole pages."""
-        assert len(key) == slots.numel() and len(key) % self.page_size == 0
+        `key` starts on a page boundary; it may end inside a page (a finished
+        request's last page), which then goes in as a partial leaf, unless a
+        node already holds those rows (then all of it was there already)."""
+        assert len(key) == slots.numel()
+        P = self.page_size
         node = self.root(salt)
         pos = 0
         while pos < len(key):
-            first = self._child_key(key, pos)
-            child = node.children.get(first)
+            rest = key[pos:]
+            child = node.children.get(self._child_key(key, pos))
             if child is None:
-                new = TreeNode(key=list(key[pos:]), value=slots[pos:].clone(), parent=node)
-                node.children[first] = new
-                self.evictable_size += len(new)
+                if len(rest) < P and self._holding(node, rest) is not None:
+                    return len(key)
+                self._drop_superseded(node, rest)
+                new = TreeNode(key=list(rest), value=slots[pos:].clone(), parent=node)
+                node.children[self._child_key(key, pos)] = new
+                self.evictable_size += self._slots(new)
                 return pos
-            n = self._whole_pages(_shared_len(child.key, key[pos:]))
-            if n < len(child):
-                child = self._split(child, n)
+            n = _shared_len(child.key, rest)
             child.last_access = next(_clock)
-            node = child
-            pos += n
+            if n == len(rest):  # the key ends inside child (or at its end): all of it is there
+                if n < len(child) and n % P == 0:
+                    self._split(child, n)
+                return len(key)
+            if n >= len(child) and len(child) % P == 0:
+                node, pos = child, pos + len(child)
+                continue
+            # the key leaves child inside it, or goes past a partial leaf: cut
+            # child at the last whole page both hold, and go on from there
+            n = self._whole_pages(min(n, len(child)))
+            node, pos = self._split(child, n), pos + n
         return pos
+
+    def _holding(self, node: TreeNode, rows: list[int]) -> TreeNode | None:
+        """A child of `node` whose first rows are `rows` (fewer than a page)."""
+        for child in node.children.values():
+            if child.key[0] == rows[0] and child.key[:len(rows)] == rows:
+                child.last_access = next(_clock)
+                return child
+        return None
+
+    def _drop_superseded(self, node: TreeNode, rest: list[int]) -> None:
+        """Partial leaves under `node` (less than a page) whose rows start
+        `rest`, which goes in now with its own page holding the same rows: no
+        match needs them any more. One that a request holds (a copy not yet
+        sent) stays, to be evicted later like any leaf."""
+        for first, child in list(node.children.items()):
+            if len(child) < self.page_size and len(child) < len(rest) and child.key[0] == rest[0] \
+                    and child.lock_ref == 0 and not child.children and rest[:len(child)] == child.key:
+                self.free_slots(child.value)
+                self.evictable_size -= self._slots(child)
+                del node.children[first]
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child` after its first n tokens (whole pages); returns the new upper part.
         Locks are per path, so the upper part inherits the child's count."""
         parent = child.parent
-        assert parent is not None and 0 < n < len(child)
+        assert parent is not None and 0 < n < len(child) and n % self.page_size == 0
         upper = TreeNode(key=child.key[:n], value=child.value[:n], parent=parent,
                          lock_ref=child.lock_ref, last_access=child.last_access)
         parent.children[self._child_key(child.key)] = upper
@@ -161,8 +231,8 @@ class RadixCache:
         """Protect the path root..node from eviction (a request uses it)."""
         while not node.is_root:
             if node.lock_ref == 0:
-                self.evictable_size -= len(node)
-                self.protected_size += len(node)
+                self.evictable_size -= self._slots(node)
+                self.protected_size += self._slots(node)
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
 
@@ -171,8 +241,8 @@ class RadixCache:
             assert node.lock_ref > 0, "unlock without a lock"
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self.protected_size -= len(node)
-                self.evictable_size += len(node)
+                self.protected_size -= self._slots(node)
+                self.evictable_size += self._slots(node)
             node = node.parent  # type: ignore[assignment]
 
     def evictable_on_path(self, node: TreeNode) -> int:
@@ -180,7 +250,7 @@ class RadixCache:
         n = 0
         while not node.is_root:
             if node.lock_ref == 0:
-                n += len(node)
+                n += self._slots(node)
             node = node.parent  # type: ignore[assignment]
         return n
 
@@ -197,8 +267,8 @@ class RadixCache:
             parent = node.parent
             assert parent is not None
             self.free_slots(node.value)
-            freed += len(node)
-            self.evictable_size -= len(node)
+            freed += self._slots(node)
+            self.evictable_size -= self._slots(node)
             del parent.children[self._child_key(node.key)]
             if not parent.is_root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
@@ -226,14 +296,14 @@ class RadixCache:
         mismatch, or None."""
         evictable = protected = 0
         for node in self._nodes():
-            if len(node) == 0 or len(node) != node.value.numel() or len(node) % self.page_size:
+            if len(node) == 0 or len(node) != node.value.numel() or (len(node) % self.page_size and node.children):
                 return f"node with key length {len(node)} and {node.value.numel()} slots (page {self.page_size})"
             if node.lock_ref < sum(c.lock_ref for c in node.children.values()):
                 return "a node holds fewer locks than its children"
             if node.lock_ref:
-                protected += len(node)
+                protected += self._slots(node)
             else:
-                evictable += len(node)
+                evictable += self._slots(node)
         if (evictable, protected) != (self.evictable_size, self.protected_size):
             return (f"counted evictable {evictable} / protected {protected}, recorded "
                     f"{self.evictable_size} / {self.protected_size}")

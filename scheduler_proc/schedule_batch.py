@@ -60,6 +60,9 @@ class ScheduleBatch:
     table_lens: list[int] = field(default_factory=list)
     table_slots: list[int] = field(default_factory=list)
     penalty_inits: list[PenaltyInit] = field(default_factory=list)
+    # KV rows the model copies before the step (ForwardBatch.kv_copy_src/dst)
+    kv_copy_src: list[int] = field(default_factory=list)
+    kv_copy_dst: list[int] = field(default_factory=list)
     # prompt logprobs this extend computes (see ForwardBatch)
     input_logprob_rows: list[int] = field(default_factory=list)
     input_logprob_starts: list[int] = field(default_factory=list)
@@ -134,6 +137,7 @@ class ScheduleBatch:
             [t for r, p, n in zip(self.reqs, self.prefix_lens, extend_lens) for t in r.fill_ids[p:p + n]],
             dtype=torch.int64)
         self.collect_table_rewrites(cache)
+        self.kv_copy_src, self.kv_copy_dst = cache.take_kv_copies(self.reqs)
         # a row's penalty state is built from the request's tokens at its first
         # extend since admission (a cached prefix is not recomputed, and a
         # retracted request comes back with its output so far)
@@ -169,6 +173,7 @@ class ScheduleBatch:
         self.decode_from = 0
         self.prefix_lens = []
         self.penalty_inits = []
+        self.kv_copy_src, self.kv_copy_dst = [], []
         self.input_logprob_rows, self.input_logprob_starts, self.input_logprob_targets = [], [], []
         self.collect_table_rewrites(cache)
         locs = cache.alloc_decode(self.reqs)
@@ -254,6 +259,7 @@ class ScheduleBatch:
             return_logprob=self.return_logprob,
             top_logprobs_nums=self.top_logprobs_nums.tolist() if self.return_logprob else [],
             table_rows=self.table_rows, table_lens=self.table_lens, table_slots=self.table_slots,
+            kv_copy_src=self.kv_copy_src, kv_copy_dst=self.kv_copy_dst,
             penalty_rows=self.penalty_rows(seq_lens), penalty_inits=self.penalty_inits,
             input_logprob_rows=self.input_logprob_rows, input_logprob_starts=self.input_logprob_starts,
             input_logprob_targets=self.input_logprob_targets,

@@ -61,7 +61,9 @@ class Scheduler:
         self.radix_cache_enabled = not server_args.disable_radix_cache and self.prefix_cache_allowed
         self.cache = CacheManager(model_info.max_total_tokens, server_args.max_running_requests,
                                   self.context_len, use_tree=self.radix_cache_enabled,
-                                  page_size=server_args.page_size)
+                                  page_size=server_args.page_size,
+                                  max_idle_cached=None if server_args.prefix_cache_max_idle_tokens == -1
+                                  else server_args.prefix_cache_max_idle_tokens)
         self.invariant_error: str | None = None  # set when the idle check finds the accounts off
         self.timeline = Timeline()
         self.ratio = NewTokenRatio(server_args.schedule_conservativeness)

@@ -19,6 +19,21 @@ def test_pool_has_a_zeroed_dummy_slot_per_layer():
     assert pool.nbytes == 2 * 3 * 11 * 2 * 4 * 4
 
 
+def test_copy_slots_copies_k_and_v_of_every_layer_and_nothing_else():
+    pool = KVPool(32, num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    for buf in pool.k_buffer + pool.v_buffer:
+        buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
+    before = [b.clone() for b in pool.k_buffer + pool.v_buffer]
+    src, dst = torch.tensor([5, 6, 7]), torch.tensor([17, 18, 19])
+    pool.copy_slots(src, dst)
+    for b, old in zip(pool.k_buffer + pool.v_buffer, before):
+        assert torch.equal(b[dst], old[src])  # bit for bit
+        rest = torch.ones(33, dtype=torch.bool)
+        rest[dst] = False
+        assert torch.equal(b[rest], old[rest])
+
+
 def test_req_to_token_table_has_an_unused_row_zero():
     table = ReqToTokenTable(num_rows=5, context_len=64, device="cpu").table
     assert table.shape == (6, 64) and table.dtype == torch.int32

@@ -16,6 +16,11 @@ By default the next token is a pure function of the row's last input token
 function of the whole chain instead, so a run that reused a wrong prefix
 produces different tokens from a run without any cache.
 
+KV copies (`kv_copy_src`/`kv_copy_dst`, a prefix match that ends inside a
+page) copy the fingerprints, before the step writes anything: a copy from
+the wrong slot, or from one overwritten since, fails the prefix check of the
+request that reads it.
+
 Penalties: it keeps each row's penalty history as the model process does
 (the output ids of the row's `PenaltyInit`, plus every token it samples for
 the row while the row is in `penalty_rows`), and a penalized row's next token
@@ -78,6 +83,7 @@ class FakeModel:
         self.batches: list[ForwardBatch] = []
         self.last_sampled: dict[int, int] = {}  # req_pool_idx -> token sampled last
         self.penalty_history: dict[int, list[int]] = {}  # req_pool_idx -> output ids held for it
+        self.copied_rows = 0  # KV rows copied (ForwardBatch.kv_copy_src/dst)
         self.table = torch.zeros(max_rows + 1, context_len, dtype=torch.int64)
         self.slot_pos = torch.full((max_total_tokens + 1,), -1, dtype=torch.int64)
         self.slot_prev = torch.zeros(max_total_tokens + 1, dtype=torch.int64)
@@ -90,6 +96,13 @@ class FakeModel:
         for row, n in zip(batch.table_rows, batch.table_lens):
             self.table[row, :n] = torch.tensor(batch.table_slots[start:start + n])
             start += n
+        if batch.kv_copy_src:  # before anything the step writes, as the model process does
+            src, dst = torch.tensor(batch.kv_copy_src), torch.tensor(batch.kv_copy_dst)
+            assert not set(batch.kv_copy_dst) & set(batch.out_cache_loc), "a copy into a slot the step writes"
+            assert bool((self.slot_pos[src] >= 0).all()), "a copy from a slot never written"
+            for fp in (self.slot_pos, self.slot_prev, self.slot_hash):
+                fp[dst] = fp[src]
+            self.copied_rows += len(batch.kv_copy_src)
         if batch.forward_mode.is_extend():  # EXTEND or MIXED
             counts = [s - p for s, p in zip(batch.seq_lens, batch.prefix_lens)]
             prefixes = batch.prefix_lens

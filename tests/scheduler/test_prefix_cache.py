@@ -217,16 +217,18 @@ def random_workload(rng: random.Random, context_len: int) -> list[tuple[int, str
     return out
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
 @MODES
 def test_random_shared_prefix_loads_give_the_outputs_of_a_run_without_cache(overlap, page_size):
     """Property: random shared-prefix workloads, pools from smaller than the
     cached tree (eviction) to roomy, chunking, EOS, retraction and aborts,
-    with a slot per token and with pages of several. The accounts add up
-    after every step (each request's own pages filled in order), the fake
-    model's KV check never fails, nothing leaks, every finished request's
-    tokens equal the run without the cache, and an aborted one's are a
-    prefix of them."""
+    with a slot per token and with pages of several (where a match that ends
+    inside a page copies its rows: the fake model checks every copied row's
+    fingerprint). The accounts add up after every step (each request's own
+    pages filled in order), the fake model's KV check never fails, nothing
+    leaks, every finished request's tokens equal the run without the cache,
+    and an aborted one's are a prefix of them."""
+    copied = 0
     for seed in range(25):
         rng = random.Random(seed)
         context_len = 256
@@ -264,6 +266,8 @@ def test_random_shared_prefix_loads_give_the_outputs_of_a_run_without_cache(over
             else:
                 assert h.tokens(rid) == want, f"seed {seed}, {rid}: {reason}"
         assert_no_leak(h.sched)
+        copied += h.model.copied_rows
+    assert page_size == 1 or copied > 300, "the loads must copy rows of partly matched pages"
 
 
 def test_the_property_load_does_hit_the_cache_evict_and_retract():
@@ -323,4 +327,83 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(overlap):
     assert second.prefix_lens == [64]
     h.run_until_idle()
     assert h.field("b", "cached_tokens") == 64
+    assert_no_leak(h.sched)
+
+
+# ---- pages of 16: a match that ends inside a page is copied ---------------------------
+
+@MODES
+@pytest.mark.parametrize("length", [6, 35, 82])
+def test_with_pages_of_16_a_repeated_prompt_reuses_all_but_its_last_token(overlap, length):
+    """SGLang's expectation (page size 1): cached_tokens = prompt - 1. With
+    pages of 16 the whole pages are shared and the rows of the page the
+    match ends in are copied into the request's own first page."""
+    h = CacheHarness(page_size=16, disable_overlap_schedule=not overlap)
+    prompt = list(range(300, 300 + length))
+    h.submit("a", prompt, max_new=5)
+    h.run_until_idle()
+    h.submit("b", prompt, max_new=5)
+    batch = h.step()
+    rows = (length - 1) % 16
+    assert batch.prefix_lens == [length - 1] and batch.input_ids.tolist() == [prompt[-1]]
+    assert len(batch.kv_copy_src) == rows and len(batch.kv_copy_dst) == rows
+    h.run_until_idle()
+    assert h.field("b", "cached_tokens") == length - 1
+    assert h.tokens("b") == h.tokens("a")  # the fake model's tokens depend on every row's fingerprint
+    assert h.model.copied_rows == rows
+    assert_no_leak(h.sched)
+
+
+@MODES
+def test_with_pages_of_16_a_second_chat_turn_reuses_the_first_turn_to_the_token(overlap):
+    h = CacheHarness(page_size=16, disable_overlap_schedule=not overlap)
+    turn1 = list(range(100, 135))  # 35 tokens
+    h.submit("t1", turn1, max_new=10)
+    h.run_until_idle()
+    answer = h.tokens("t1")
+    turn2 = turn1 + answer + [9, 9, 9]
+    h.submit("t2", turn2, max_new=5)
+    h.run_until_idle()
+    # everything the first turn computed: its prompt and its output but the
+    # last output token (nobody computed its KV), whole pages or not
+    assert h.field("t2", "cached_tokens") == len(turn1) + len(answer) - 1
+    ref = CacheHarness(page_size=16, disable_radix_cache=True)
+    ref.submit("t2", turn2, max_new=5)
+    ref.run_until_idle()
+    assert h.tokens("t2") == ref.tokens("t2")
+    assert_no_leak(h.sched)
+
+
+def test_the_page_copied_from_stays_locked_until_the_copy_is_sent_then_becomes_evictable():
+    h = CacheHarness(page_size=16)
+    prompt = list(range(300, 306))
+    h.submit("a", prompt, max_new=3)
+    h.run_until_idle()
+    tree = h.sched.cache.tree
+    assert (tree.evictable_size, tree.protected_size) == (16, 0)  # a's 8 tokens: a partial leaf
+    h.submit("b", prompt, max_new=3)
+    req = h.sched.queue.waiting[0]
+    match = h.sched.cache.match(req)
+    assert match.length == 5 and match.copy_node is not None
+    h.sched.cache.admit(req, match)
+    assert tree.protected_size == 16  # the source page: eviction cannot take it now
+    assert h.sched.cache.check_invariant() is None
+    src, dst = h.sched.cache.take_kv_copies([req])
+    assert len(src) == len(dst) == 5 and tree.protected_size == 0
+    h.sched.cache.release(req, cache=False)
+    assert h.sched.cache.check_invariant() is None
+
+
+def test_a_new_turn_supersedes_the_partial_page_it_copied_from():
+    """A request that copied a partial leaf's rows and goes past them puts its
+    own page in the tree: the partial leaf is dropped, not kept twice."""
+    h = CacheHarness(page_size=16)
+    first = list(range(300, 306))
+    h.submit("a", first, max_new=3)  # 8 tokens with KV in the tree
+    h.run_until_idle()
+    h.submit("b", first + h.tokens("a")[:2] + [7] * 18, max_new=3)
+    h.run_until_idle()
+    assert h.field("b", "cached_tokens") == 8
+    tree = h.sched.cache.tree
+    assert tree.evictable_size == 32  # b's 28 tokens in two pages; a's partial page is gone
     assert_no_leak(h.sched)

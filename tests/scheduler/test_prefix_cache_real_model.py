@@ -65,3 +65,31 @@ def test_greedy_outputs_with_the_cache_equal_those_without(tiny_llama_dir, overl
         else:
             partings.append((rid, pos))
     assert not partings, partings  # wide random weights: no near-ties expected
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+def test_with_pages_of_16_a_repeated_prompt_reuses_all_but_its_last_token_and_answers_alike(
+        tiny_llama_dir, overlap):
+    """The copy path with the real model: a repeated 6-token prompt (no whole
+    page to share), a 35-token one (two pages and 2 rows) and an 82-token one
+    report cached_tokens = prompt - 1 and the greedy output of a run without
+    the cache; so does a second turn built on the first's answer."""
+    rng = random.Random(1)
+    prompts = {n: [rng.randrange(3, 512) for _ in range(n)] for n in (6, 35, 82)}
+    ref = Engine(tiny_llama_dir, ignore_eos=True, disable_radix_cache=True)
+    eng = Engine(tiny_llama_dir, ignore_eos=True, page_size=16, disable_overlap_schedule=not overlap)
+    for n, prompt in prompts.items():
+        for e in (ref, eng):
+            e.run({0: [(f"first{n}", prompt, 6)]})
+            e.run({0: [(f"again{n}", prompt, 6)]})
+        turn2 = prompt + eng.reqs[f"first{n}"].output_ids + [7, 8, 9]
+        for e in (ref, eng):
+            e.run({0: [(f"turn2_{n}", turn2, 6)]})
+        assert eng.reqs[f"first{n}"].cache_hit_tokens == 0
+        assert eng.reqs[f"again{n}"].cache_hit_tokens == n - 1
+        assert eng.reqs[f"turn2_{n}"].cache_hit_tokens == n + 6 - 1
+        for rid in (f"first{n}", f"again{n}", f"turn2_{n}"):
+            a, b = eng.reqs[rid], ref.reqs[rid]
+            assert greedy_parting(a.output_ids, [[t for _, t in top] for top in a.output_top_logprobs],
+                                  b.output_ids, [[t for _, t in top] for top in b.output_top_logprobs]) is None, rid
+    eng.assert_no_leak()

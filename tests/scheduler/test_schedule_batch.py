@@ -173,16 +173,17 @@ def test_with_pages_each_request_fills_its_own_pages_in_order():
     assert cache.allocator.available() == 64 - 12
 
 
-def test_with_pages_the_prefix_cache_keeps_whole_pages_and_frees_the_partial_last_one():
+def test_with_pages_a_running_request_caches_whole_pages_and_a_finished_one_its_partial_page_too():
     cache = CacheManager(pool_size=64, num_rows=4, context_len=64, use_tree=True, page_size=4)
     r = make_req("a", 10)
     prefilled_batch([r], cache)
-    cache.cache_unfinished(r, 10)
+    cache.cache_unfinished(r, 10)  # its last page is still its own to write
     assert r.cached_prefix_len == 8 and cache.tree.evictable_size == 0 and cache.tree.protected_size == 8
-    cache.release(r, cache=True)  # the first 8 tokens stay in the tree; the partial page is freed
-    assert cache.tree.evictable_size == 8 and cache.allocator.available() == 64 - 8
+    cache.release(r, cache=True)  # all 10 tokens stay: the partial page as a leaf holding the page
+    assert cache.tree.evictable_size == 12 and cache.allocator.available() == 64 - 12
     again = make_req("b", 10)
-    assert cache.match(again).length == 8
+    match = cache.match(again)  # all but the last token: 8 shared, 1 row to copy
+    assert match.length == 9 and match.slots.numel() == 8 and match.copy_slots.numel() == 1
     assert cache.check_invariant() is None
 
 
