@@ -14,7 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, TOKENIZER, TOKENIZER_POOL
+from tokenizer_proc.app_keys import (MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, SERVER_ARGS, TOKENIZER,
+                                    TOKENIZER_POOL)
 from tokenizer_proc.errors import json_response
 from tokenizer_proc.generation import Generation
 from tokenizer_proc.grammar import check_grammars
@@ -32,7 +33,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = parse_json_object(await read_body(request))
     pending = check_generate_request(body, info.context_len, info.vocab_size, request.app[PROMPT_CHAR_LIMIT])
     inp = pending.finish(await request.app[TOKENIZER_POOL].run(pending.encode, tokenizer))
-    await check_grammars([spec.req.sampling_params.grammar for spec in inp.specs])
+    await check_grammars([spec.req.sampling_params.grammar for spec in inp.specs],
+                         request.app[SERVER_ARGS])
     gen = Generation(request.app[MANAGER], tokenizer, inp.specs, inp.stream, arrival)
     gen.submit()
     try:
