@@ -100,6 +100,13 @@ class ServerArgs:
     # reuses its least recently used ones rather than untouched pool memory; None: 16384
     # on a CPU (the pool's memory is committed as it is first written), -1 (no bound) on a GPU
     prefix_cache_max_idle_tokens: int | None = None
+    # structured output (tokenizer_proc/grammar.py checks the bounds, scheduler_proc/grammar.py compiles)
+    max_grammar_chars: int = 131072  # a grammar's text (a JSON schema's, a regex's, an EBNF's)
+    max_grammar_enum_values: int = 4096  # enum and const values in one JSON schema, all together
+    max_grammar_depth: int = 64  # JSON nesting of a schema; bracket nesting of a regex or EBNF
+    grammar_compile_threads: int = 2  # compiles run at once, beside the scheduler's loop
+    grammar_compile_timeout_s: float = 10.0  # a compile running longer fails its requests
+    grammar_cache_bytes: int = 128 * 2**20  # compiled grammars kept for reuse (LRU by xgrammar's size)
     # HTTP
     api_key: str = ""  # when set, every route but /health needs "Authorization: Bearer KEY"
     max_request_bytes: int = 16 * 2**20
@@ -189,6 +196,7 @@ class ServerArgs:
         if not self.header_timeout_s > 0 or not self.body_timeout_s > 0:
             raise ValueError("--header-timeout-s and --body-timeout-s must be > 0")
         self._check_parallel()
+        self._check_grammar()
 
     def _check_parallel(self) -> None:
         if self.tp_size < 1:
@@ -206,6 +214,16 @@ class ServerArgs:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"--dist-init-addr must be HOST:PORT, not {self.dist_init_addr!r}")
+
+    def _check_grammar(self) -> None:
+        for flag in ("max_grammar_chars", "max_grammar_enum_values", "max_grammar_depth",
+                     "grammar_compile_threads"):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError("--grammar-compile-timeout-s must be > 0")
+        if self.grammar_cache_bytes < 0:
+            raise ValueError("--grammar-cache-bytes must be >= 0")
 
     @property
     def tp_ranks_per_node(self) -> int:
@@ -335,6 +353,25 @@ class ServerArgs:
                                  "before new pages reuse its least recently used ones instead of "
                                  "pool memory never touched (default: 16384 on a CPU, where the pool "
                                  "is committed as it is written; -1, no bound, on a GPU)")
+        parser.add_argument("--max-grammar-chars", type=int, default=d["max_grammar_chars"].default,
+                            help="longer grammars (json_schema, regex, ebnf text) get HTTP 400")
+        parser.add_argument("--max-grammar-enum-values", type=int,
+                            default=d["max_grammar_enum_values"].default,
+                            help="a JSON schema with more enum/const values in all gets HTTP 400")
+        parser.add_argument("--max-grammar-depth", type=int, default=d["max_grammar_depth"].default,
+                            help="a JSON schema nested deeper (or a regex/EBNF with deeper brackets) "
+                                 "gets HTTP 400")
+        parser.add_argument("--grammar-compile-threads", type=int,
+                            default=d["grammar_compile_threads"].default,
+                            help="grammar compiles that run at once; smaller grammars go first")
+        parser.add_argument("--grammar-compile-timeout-s", type=float,
+                            default=d["grammar_compile_timeout_s"].default,
+                            help="a grammar compile running longer fails its requests (HTTP 400); the "
+                                 "compile itself runs to its end on its thread, and the grammar is refused "
+                                 "at once when sent again")
+        parser.add_argument("--grammar-cache-bytes", type=int, default=d["grammar_cache_bytes"].default,
+                            help="compiled grammars kept for reuse, least recently used dropped first "
+                                 "(0: none kept)")
         parser.add_argument("--api-key", default=os.environ.get("API_KEY", ""),
                             help="require 'Authorization: Bearer KEY' (default: $API_KEY)")
         parser.add_argument("--max-request-bytes", type=int,

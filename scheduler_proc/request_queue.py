@@ -11,7 +11,7 @@ from typing import Callable
 from common.messages import AbortKind, ModelInfo, TokenizedGenerateReq
 from common.sampling_rules import sampling_error
 from common.server_args import ServerArgs
-from scheduler_proc.grammar import GrammarBackend, ReqGrammar
+from scheduler_proc.grammar import GrammarBackend, GrammarFailure, ReqGrammar
 from scheduler_proc.req import Req
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class RequestQueue:
         self.waiting: deque[Req] = deque()
         self.grammar_wait: list[Req] = []
         self.grammar_backend = GrammarBackend(model_info.tokenizer_path, model_info.vocab_size,
-                                              model_info.eos_token_ids)
+                                              model_info.eos_token_ids, args)
         self.by_rid: dict[str, Req] = {}
         # time bounds, earliest first: (time.time(), rid); an entry whose
         # request finished (or whose rid was reused) is dropped when it comes up
@@ -119,16 +119,16 @@ class RequestQueue:
         failed: list[Req] = []
         still: list[Req] = []
         for req in self.grammar_wait:
-            if not req.grammar_future.done():
+            outcome = self.grammar_backend.outcome(req.grammar_future)
+            if outcome is None:
                 still.append(req)
                 continue
-            error = req.grammar_future.exception()
-            if error is not None:
-                req.abort(AbortKind.INVALID, f"invalid grammar: {error}")
+            req.grammar_future = None
+            if isinstance(outcome, GrammarFailure):  # does not compile, or not within the budget
+                req.abort(AbortKind.INVALID, outcome.message)
                 failed.append(req)
                 continue
-            req.grammar = ReqGrammar(req.grammar_future.result())
-            req.grammar_future = None
+            req.grammar = ReqGrammar(outcome)
             self.waiting.append(req)
         self.grammar_wait = still
         return failed
@@ -159,6 +159,8 @@ class RequestQueue:
             self.waiting.remove(req)
         if req in self.grammar_wait:
             self.grammar_wait.remove(req)
+            self.grammar_backend.release(req.grammar_future)  # a compile nobody waits for is dropped
+            req.grammar_future = None
 
     def forget(self, req: Req) -> None:
         """Its rid is free for reuse."""

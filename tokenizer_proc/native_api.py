@@ -34,7 +34,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = parse_json_object(await read_body(request))
     pending = check_generate_request(body, info.context_len, info.vocab_size, request.app[PROMPT_CHAR_LIMIT])
     inp = pending.finish(await request.app[TOKENIZER_POOL].run(pending.encode, tokenizer))
-    await check_grammars([spec.req.sampling_params.grammar for spec in inp.specs])
+    await check_grammars([spec.req.sampling_params.grammar for spec in inp.specs],
+                         request.app[SERVER_ARGS])
     gen = Generation(request.app[MANAGER], tokenizer, inp.specs, inp.stream, arrival,
                      request.app[SERVER_ARGS].max_logprob_entries)
     gen.submit()

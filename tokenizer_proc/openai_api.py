@@ -67,7 +67,8 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     body = parse_json_object(await read_body(request))
     pending = (check_chat_request if chat else check_completion_request)(body, info, request.app[PROMPT_CHAR_LIMIT])
     inp = pending.finish(await request.app[TOKENIZER_POOL].run(pending.encode, tokenizer))
-    await check_grammars([spec.req.sampling_params.grammar for spec in inp.specs])
+    await check_grammars([spec.req.sampling_params.grammar for spec in inp.specs],
+                         request.app[SERVER_ARGS])
     shaper = (ChatShaper if chat else CompletionShaper)(inp, served_model_name(request.app),
                                                         TokenTexts(tokenizer))
     gen = Generation(request.app[MANAGER], tokenizer, inp.specs, inp.stream, arrival,

@@ -1,12 +1,15 @@
 """Structured output against the real server, as a user tries it: the `openai`
 client's response_format (json_schema, json_object), SGLang's /generate
 json_schema and regex, streamed and not, and the 400s for grammars that do
-not parse, beside ordinary requests that keep being served."""
+not parse or are over a size bound, beside ordinary requests that keep being
+served; a one-field schema is not held behind large schemas whose clients
+left."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 
 import jsonschema
 import openai
@@ -23,9 +26,20 @@ PERSON = {"type": "object", "properties": {
     "required": ["name", "age", "languages"], "additionalProperties": False}
 
 
+ENUM_BOUND = 9000  # allows the large (slow) schemas below; the default bound is lower
+
+
+def large_schema(tag: str) -> dict:
+    """8,000 enum strings: within the bounds this server is given, and a
+    compile of about a second on a free core."""
+    return {"type": "object", "properties": {"a": {"enum": [f"value-{i}-{tag}" for i in range(8000)]}},
+            "required": ["a"]}
+
+
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--max-running-requests", "8")
+    srv = ServerProcess("--max-running-requests", "8", "--max-grammar-enum-values", str(ENUM_BOUND),
+                        "--max-grammar-chars", "200000")
     yield srv
     srv.kill()
 
@@ -100,3 +114,55 @@ def test_a_grammar_that_does_not_parse_is_a_400_and_the_server_keeps_serving(ser
     ok = requests.post(server.url + "/generate", timeout=120,
                        json={"text": "Hi", "sampling_params": {"max_new_tokens": 2, "regex": "[a-z]+"}})
     assert ok.status_code == 200 and regex.fullmatch("[a-z]+", ok.json()["text"]), ok.text
+
+
+def nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("schema,flag", [
+    ({"enum": list(range(ENUM_BOUND + 1))}, "--max-grammar-enum-values"),
+    ({"type": "string", "description": "x" * 200_001}, "--max-grammar-chars"),
+    (nested(40), "--max-grammar-depth"),
+], ids=["enum", "chars", "depth"])
+def test_a_schema_over_a_size_bound_is_a_400_naming_the_flag(server, client, schema, flag):
+    r = requests.post(server.url + "/generate", timeout=60,
+                      json={"text": "x", "sampling_params": {"json_schema": json.dumps(schema)}})
+    assert r.status_code == 400 and flag in r.json()["error"]["message"], r.text
+    with pytest.raises(openai.BadRequestError, match=flag):
+        client.chat.completions.create(
+            model="any", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+
+
+def test_a_one_field_schema_is_not_held_behind_large_schemas_whose_clients_left(server):
+    """Twelve large schemas (a compile of about a second each), each client gone
+    after 1 s, then a one-field schema: it waits at most for the compiles
+    already running (the queued ones are dropped, and it would pass them), not
+    for twelve, as one compile thread in arrival order made it."""
+    def ask(schema: dict, timeout: float) -> requests.Response | None:
+        body = {"text": "JSON:", "sampling_params": {"max_new_tokens": 4, "temperature": 0.0,
+                                                     "json_schema": json.dumps(schema)}}
+        try:
+            return requests.post(server.url + "/generate", json=body, timeout=timeout)
+        except requests.exceptions.Timeout:
+            return None  # the client left
+
+    t0 = time.monotonic()
+    assert ask(large_schema("alone"), 120).status_code == 200
+    alone = time.monotonic() - t0  # one large schema's compile and answer, here, now
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        gone = [pool.submit(ask, large_schema(str(k)), 1.0) for k in range(12)]
+        assert all(f.result() is None for f in gone)
+        t0 = time.monotonic()
+        r = ask({"type": "object", "properties": {"a": {"type": "integer"}}}, 120)
+        waited = time.monotonic() - t0
+    assert r is not None and r.status_code == 200, r
+    assert waited < 3 * alone + 2, f"the one-field schema waited {waited:.1f} s; one large schema takes {alone:.1f} s"
+    deadline = time.monotonic() + 60  # and the gone clients' requests left the grammar queue
+    while requests.get(server.url + "/get_server_info", timeout=10).json()["scheduler"]["num_grammar_queue_reqs"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 import regex
 
-from common.messages import Grammar, GrammarKind, SamplingParams, TokenizedGenerateReq
+from common.messages import AbortReq, Grammar, GrammarKind, SamplingParams, TokenizedGenerateReq
 from scheduler_proc.grammar import GrammarBackend
 from scheduler_proc.queries import scheduler_state
 from tests.scheduler.test_engine_matches_transformers import Engine
@@ -158,7 +158,9 @@ def test_a_request_waiting_for_its_grammar_holds_up_nobody(default_model_dir, ch
         return real_compile(self, grammar)
 
     monkeypatch.setattr(GrammarBackend, "_compile", slow_compile)
-    engine = Engine(default_model_dir, ignore_eos=True, dtype="bfloat16", max_running_requests=4)
+    # the gate, not the grammar, holds the compile: no budget for it to run out of
+    engine = Engine(default_model_dir, ignore_eos=True, dtype="bfloat16", max_running_requests=4,
+                    grammar_compile_timeout_s=600)
     sched = engine.sched
     grammar = Grammar(GrammarKind.REGEX, r"[0-9]{4}")
     sched.process_input_requests([
@@ -179,6 +181,42 @@ def test_a_request_waiting_for_its_grammar_holds_up_nobody(default_model_dir, ch
     step_until_idle(engine)
     assert regex.fullmatch(r"[0-9]{4}", chat.decode(constrained.output_ids)), constrained.output_ids
     assert finish_json(constrained.finish)["type"] == "stop"  # ignore_eos: ended by the grammar
+    engine.assert_no_leak()
+
+
+def test_an_aborted_request_waiting_for_its_grammar_drops_its_queued_compile(default_model_dir, chat,
+                                                                             monkeypatch):
+    gate = threading.Event()
+    compiled: list[str] = []
+    real_compile = GrammarBackend._compile
+
+    def gated_compile(self, grammar):
+        compiled.append(grammar.text)
+        assert gate.wait(60)
+        return real_compile(self, grammar)
+
+    monkeypatch.setattr(GrammarBackend, "_compile", gated_compile)
+    engine = Engine(default_model_dir, ignore_eos=True, dtype="bfloat16", grammar_compile_threads=1,
+                    grammar_compile_timeout_s=600)
+    sched = engine.sched
+    sent = []
+    sched.send_output = sent.append
+    for rid, pattern in (("first", r"[0-9]{4}"), ("gone", r"[a-z]{5}")):
+        sched.process_input_requests([TokenizedGenerateReq(
+            rid=rid, input_ids=chat("A year?"),
+            sampling_params=SamplingParams(max_new_tokens=8, temperature=0.0,
+                                           grammar=Grammar(GrammarKind.REGEX, pattern)))])
+    first, gone = sched.queue.by_rid["first"], sched.queue.by_rid["gone"]
+    while first.grammar_future.started_at is None:  # the one thread holds "first"'s compile
+        time.sleep(0.005)
+    assert sched.queue.grammar_backend.queued == 1
+    sched.process_input_requests([AbortReq(rid="gone")])  # its client left
+    assert gone.finished and finish_json(gone.finish)["type"] == "abort"
+    assert sched.queue.grammar_backend.queued == 0 and gone not in sched.queue.grammar_wait
+    gate.set()
+    step_until_idle(engine)
+    assert regex.fullmatch(r"[0-9]{4}", chat.decode(first.output_ids))
+    assert compiled == [r"[0-9]{4}"]  # the aborted request's grammar was never compiled
     engine.assert_no_leak()
 
 
