@@ -23,8 +23,10 @@ def sampling_error(sp: SamplingParams, vocab_size: int | None = None, prefix: st
     def name(field: str) -> str:
         return prefix + (names or {}).get(field, field)
 
-    if not sp.max_new_tokens >= 1:
-        return f"{name('max_new_tokens')} must be >= 1"
+    # 0 is SGLang's prefill-only request (its frontend's select and prefix
+    # caching send it): prompt logprobs and a warm cache, no output token
+    if not sp.max_new_tokens >= 0:
+        return f"{name('max_new_tokens')} must be >= 0"
     if not sp.temperature >= 0:
         return f"{prefix}temperature must be >= 0"
     if not 0 < sp.top_p <= 1:

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from common.messages import AbortKind, BatchTokenOut, ForwardMode, ForwardResult, ToTokenizerMsg
+from common.messages import AbortKind, BatchTokenOut, FinishLength, ForwardMode, ForwardResult, ToTokenizerMsg
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.req import Req
 from scheduler_proc.timeline import Timeline
@@ -75,6 +75,12 @@ class OutputProcessor:
                 continue
             self.total_row_steps += 1
             self.useful_row_steps += 1
+            if req.prefill_only:
+                # its prompt is in the pool now (and its prompt logprobs taken):
+                # the token sampled after it is no output of a 0-token request
+                req.finish = FinishLength(0)
+                self.retire(req)
+                continue
             self.append_token(req, i, token, result)
             if req.finished:
                 self.retire(req)

@@ -153,6 +153,14 @@ class Req:
         return isinstance(self.finish, FinishAbort)
 
     @property
+    def prefill_only(self) -> bool:
+        """max_new_tokens 0 (SGLang's cache warm-up and prompt scoring): it ends
+        after its prefill, by length, with no output token. Its last prefill
+        step's sampled token counts as pending (so the overlap schedule never
+        decodes it: finishes_with_pending) and is dropped when read."""
+        return self.sampling_params.max_new_tokens == 0
+
+    @property
     def remaining_new_tokens(self) -> int:
         return max(0, self.sampling_params.max_new_tokens - len(self.output_ids)
                    - self.pending_tokens)

@@ -61,6 +61,9 @@ def output_json(out: RequestOutput, inp: GenerateInput, texts: TokenTexts | None
     meta = out.meta_info()
     if out.spec.req.return_logprob:
         meta["output_token_logprobs"] = native_token_logprobs(out.ids, out.token_logprobs, texts)
+        # SGLang's: how many output_token_logprobs the request has so far (its
+        # frontend checks it against completion_tokens while streaming)
+        meta["output_token_logprobs_length"] = len(out.token_logprobs)
         meta["output_top_logprobs"] = native_top_logprobs(out.top_logprobs, texts)
         start = out.spec.req.logprob_start_len
         if start >= 0:  # prompt logprobs: the prompt tokens from `start`, the first null
