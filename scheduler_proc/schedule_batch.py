@@ -257,6 +257,8 @@ class ScheduleBatch:
             penalty_rows=self.penalty_rows(seq_lens), penalty_inits=self.penalty_inits,
             input_logprob_rows=self.input_logprob_rows, input_logprob_starts=self.input_logprob_starts,
             input_logprob_targets=self.input_logprob_targets,
+            token_ids_logprobs=[r.token_ids_logprob for r in self.reqs]
+            if any(r.token_ids_logprob for r in self.reqs) else [],
             grammar_rows=grammar_rows,
             grammar_bitmask=fill_bitmask([self.reqs[i].grammar for i in grammar_rows]) if grammar_rows else b"",
         )

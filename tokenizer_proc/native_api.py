@@ -18,7 +18,7 @@ from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, TOKE
 from tokenizer_proc.errors import json_response
 from tokenizer_proc.generation import Generation
 from tokenizer_proc.grammar import check_grammars
-from tokenizer_proc.logprobs import TokenTexts, native_token_logprobs, native_top_logprobs
+from tokenizer_proc.logprobs import TokenTexts, native_ids_logprobs, native_token_logprobs, native_top_logprobs
 from tokenizer_proc.middlewares import read_body
 from tokenizer_proc.protocol import GenerateInput, check_generate_request
 from tokenizer_proc.request_output import RequestOutput
@@ -71,4 +71,9 @@ def output_json(out: RequestOutput, inp: GenerateInput, texts: TokenTexts | None
                 out.spec.req.input_ids[start:], out.state.input_token_logprobs, texts)
             if out.spec.req.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = native_top_logprobs(out.state.input_top_logprobs, texts)
+        wanted = out.spec.req.token_ids_logprob
+        if wanted:  # SGLang's layout: per position [[logprob, id, text], ...] in the ids' order
+            meta["output_token_ids_logprobs"] = native_ids_logprobs(wanted, out.token_ids_logprobs, texts)
+            meta["input_token_ids_logprobs"] = native_ids_logprobs(wanted, out.state.input_token_ids_logprobs,
+                                                                   texts)
     return {"text": out.text, "output_ids": list(out.ids), "meta_info": meta}

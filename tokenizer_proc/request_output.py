@@ -49,6 +49,7 @@ class RequestOutput:
         self.text_len = 0
         self.token_logprobs: list[float] = []  # aligned with ids when asked for
         self.top_logprobs: list[list[tuple[float, int]]] = []
+        self.token_ids_logprobs: list[list[float]] = []  # aligned with ids, with token_ids_logprob
         self.finish_reason: FinishReason | None = None
         self.stopped_here = False  # finished here (a stop string), before the scheduler knew
 
@@ -121,6 +122,7 @@ class RequestOutput:
         if self.spec.req.return_logprob:
             self.token_logprobs.extend(st.token_logprobs[start:stop])
             self.top_logprobs.extend(st.top_logprobs[start:stop])
+            self.token_ids_logprobs.extend(st.token_ids_logprobs[start:stop])
 
     def _show(self, delta: str) -> bool:
         """Appends text (through the stop matcher); True when a stop string matched."""

@@ -98,3 +98,32 @@ def test_streamed_output_token_logprobs_length_counts_the_tokens_so_far(server):
     assert metas and metas[-1]["output_token_logprobs_length"] == 6
     for m in metas:
         assert m["output_token_logprobs_length"] == m["completion_tokens"] == len(m["output_token_logprobs"])
+
+
+def test_token_ids_logprob_returns_the_chosen_ids_at_every_position(server, tiny_llama_dir):
+    """SGLang's classification-style scoring: meta_info.input_token_ids_logprobs
+    (per prompt position from logprob_start_len, the first null) and
+    output_token_ids_logprobs (per output token), [logprob, id, text] per id."""
+    wanted = [17, 4, 250]
+    r = requests.post(server.url + "/generate", json={
+        "input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 3, "token_ids_logprob": wanted,
+        "return_text_in_logprobs": True,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    meta = out["meta_info"]
+    with torch.inference_mode():
+        logits = load_hf(tiny_llama_dir)(torch.tensor([PROMPT + out["output_ids"]])).logits[0].float()
+    lps = torch.log_softmax(logits, dim=-1)
+    inputs = meta["input_token_ids_logprobs"]
+    assert len(inputs) == len(PROMPT) - 3 and inputs[0] is None
+    for p, entries in zip(range(3, len(PROMPT) - 1), inputs[1:]):
+        assert [e[1] for e in entries] == wanted and all(isinstance(e[2], str) for e in entries)
+        assert [e[0] for e in entries] == pytest.approx(lps[p, wanted].tolist(), abs=1e-4)
+    outputs = meta["output_token_ids_logprobs"]
+    assert len(outputs) == 3
+    for k, entries in enumerate(outputs):
+        assert [e[0] for e in entries] == pytest.approx(lps[len(PROMPT) - 1 + k, wanted].tolist(), abs=1e-4)
+    r = requests.post(server.url + "/generate", json={
+        "input_ids": PROMPT, "return_logprob": True, "token_ids_logprob": [1, [2]]}, timeout=30)
+    assert r.status_code == 400 and "token_ids_logprob[1]" in r.text
