@@ -72,3 +72,19 @@ def test_a_zero_token_request_returns_its_prompt_logprobs(tiny_llama_dir, overla
         finals = [(m.new_token_ids[i], m.output_token_logprobs[i]) for m in engine.outputs
                   for i, r in enumerate(m.rids) if r == rid and m.finished_reasons[i] is not None]
         assert finals == [([], [])]
+
+
+@MODES
+@pytest.mark.parametrize("batching", ["static", "dynamic"])
+def test_a_zero_token_row_is_kept_as_padding_in_the_padded_baselines(overlap, batching):
+    """Static batching keeps a finished row computing until its batch ends: a
+    prefill-only row has no output token to feed, so it decodes the model's
+    (dropped) last sampled token."""
+    h = Harness(max_running=3, batching=batching, disable_overlap_schedule=not overlap)
+    h.submit("a", 20, 6, ignore_eos=True)
+    h.submit("zero", 30, 0)
+    h.submit("b", 10, 3, ignore_eos=True)
+    h.run_until_idle()
+    assert h.finals() == {"zero": ({"type": "length", "length": 0}, 0),
+                          "a": ({"type": "length", "length": 6}, 6), "b": ({"type": "length", "length": 3}, 3)}
+    h.assert_no_leak()
