@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, TOKENIZER, TOKENIZER_POOL
+from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, SERVER_ARGS, TOKENIZER, TOKENIZER_POOL
 from tokenizer_proc.errors import json_response
 from tokenizer_proc.generation import Generation
 from tokenizer_proc.grammar import check_grammars
@@ -39,7 +39,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         texts = TokenTexts(tokenizer) if inp.return_text_in_logprobs else None
         if inp.stream:
             await gen.admitted()
-            return await stream_events(request, _events(gen, inp, texts), gen.outputs[0].rid)
+            incremental = request.app[SERVER_ARGS].incremental_streaming_output
+            return await stream_events(request, _events(gen, inp, texts, incremental), gen.outputs[0].rid)
         await gen.wait()
         gen.raise_refusal()  # refused at admission: queue full (503) or cannot run (400)
         outs = [output_json(o, inp, texts) for o in gen.outputs]
@@ -48,23 +49,38 @@ async def generate(request: web.Request) -> web.StreamResponse:
         gen.abort()  # a no-op unless the client went away or something failed
 
 
-async def _events(gen: Generation, inp: GenerateInput, texts: TokenTexts | None) -> AsyncIterator[Any]:
+async def _events(gen: Generation, inp: GenerateInput, texts: TokenTexts | None,
+                  incremental: bool = False) -> AsyncIterator[Any]:
+    """incremental (--incremental-streaming-output): each event has only the
+    text, output_ids and output logprobs new since that output's last event."""
+    sent: dict[int, tuple[int, int]] = {}  # output -> (text characters, ids) already sent
+
+    def event(k: int) -> dict[str, Any]:
+        out = gen.outputs[k]
+        since = sent.get(k, (0, 0)) if incremental else (0, 0)
+        sent[k] = (out.text_len, len(out.ids))
+        return output_json(out, inp, texts, since)
+
     async for changed in gen.updates():
         if not inp.batched:
-            yield output_json(gen.outputs[0], inp, texts)
+            yield event(0)
             continue
         for k in changed:
-            yield {**output_json(gen.outputs[k], inp, texts), "index": k}
+            yield {**event(k), "index": k}
 
 
-def output_json(out: RequestOutput, inp: GenerateInput, texts: TokenTexts | None) -> dict[str, Any]:
+def output_json(out: RequestOutput, inp: GenerateInput, texts: TokenTexts | None,
+                since: tuple[int, int] = (0, 0)) -> dict[str, Any]:
+    """`since`: (text characters, output ids) to leave out, already streamed."""
+    text_from, ids_from = since
     meta = out.meta_info()
     if out.spec.req.return_logprob:
-        meta["output_token_logprobs"] = native_token_logprobs(out.ids, out.token_logprobs, texts)
+        meta["output_token_logprobs"] = native_token_logprobs(out.ids[ids_from:], out.token_logprobs[ids_from:],
+                                                              texts)
         # SGLang's: how many output_token_logprobs the request has so far (its
         # frontend checks it against completion_tokens while streaming)
         meta["output_token_logprobs_length"] = len(out.token_logprobs)
-        meta["output_top_logprobs"] = native_top_logprobs(out.top_logprobs, texts)
+        meta["output_top_logprobs"] = native_top_logprobs(out.top_logprobs[ids_from:], texts)
         start = out.spec.req.logprob_start_len
         if start >= 0:  # prompt logprobs: the prompt tokens from `start`, the first null
             meta["input_token_logprobs"] = native_token_logprobs(
@@ -73,7 +89,8 @@ def output_json(out: RequestOutput, inp: GenerateInput, texts: TokenTexts | None
                 meta["input_top_logprobs"] = native_top_logprobs(out.state.input_top_logprobs, texts)
         wanted = out.spec.req.token_ids_logprob
         if wanted:  # SGLang's layout: per position [[logprob, id, text], ...] in the ids' order
-            meta["output_token_ids_logprobs"] = native_ids_logprobs(wanted, out.token_ids_logprobs, texts)
+            meta["output_token_ids_logprobs"] = native_ids_logprobs(wanted, out.token_ids_logprobs[ids_from:], texts)
             meta["input_token_ids_logprobs"] = native_ids_logprobs(wanted, out.state.input_token_ids_logprobs,
                                                                    texts)
-    return {"text": out.text, "output_ids": list(out.ids), "meta_info": meta}
+    text = out.text_since(text_from) if text_from else out.text
+    return {"text": text, "output_ids": out.ids[ids_from:], "meta_info": meta}

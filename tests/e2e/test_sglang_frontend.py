@@ -21,17 +21,17 @@ Not run, and why:
   execution for API backends (OpenAI); a RuntimeEndpoint has no
   `token_usage` / `is_chat_model`, so they fail inside the frontend.
 - test_hellaswag_select: downloads its data set.
-- test_stream_logprobs: asserts incremental streamed logprobs, which SGLang
-  sends only with --incremental-streaming-output (its CI starts the server
-  so); this server streams them cumulatively, as SGLang does by default.
-  The `output_token_logprobs_length` it reads is checked in
-  tests/e2e/test_prompt_logprobs_server.py.
+
+The server runs with --incremental-streaming-output, as SGLang's CI starts
+its own for these programs: test_stream_logprobs asserts that each streamed
+event carries only the new output logprobs.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import json
 import sys
 import textwrap
 import time
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import pytest
+import requests
 
 pytest.importorskip("pybase64")  # sglang's package import needs it
 sgl = pytest.importorskip("sglang")
@@ -54,7 +55,7 @@ PROGRAMS: dict[str, dict[str, Any]] = {
     "test_decode_int": {}, "test_decode_json_regex": {}, "test_decode_json": {},
     "test_expert_answer": {"check_answer": False}, "test_tool_use": {}, "test_react": {},
     "test_parallel_decoding": {}, "test_stream": {}, "test_regex": {}, "test_dtype_gen": {},
-    "test_gen_min_new_tokens": {},
+    "test_gen_min_new_tokens": {}, "test_stream_logprobs": {},
 }
 # their asserts are on what the model answers (test_decode_json*: that a
 # 135M model closes its JSON string within the token budget)
@@ -141,26 +142,29 @@ def _run(name: str) -> Outcome:
 
 
 @pytest.fixture(scope="module")
-def outcomes(default_model_dir) -> dict[str, Outcome]:
+def server(default_model_dir):
+    srv = ServerProcess("--model-path", default_model_dir, "--incremental-streaming-output", startup_timeout=300.0)
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="module")
+def outcomes(server) -> dict[str, Outcome]:
     _install_client_stubs()
-    srv = ServerProcess("--model-path", default_model_dir, startup_timeout=300.0)
+    backend = sgl.RuntimeEndpoint(server.url)
+    backend.endpoint = backend  # test_gen_min_new_tokens reads the model path as a Runtime's
+    sgl.set_default_backend(backend)
+    original_eval = vars(tp).get("eval")
+    tp.eval = _safe_calculate  # module globals come before builtins in test_tool_use's calculate
     try:
-        backend = sgl.RuntimeEndpoint(srv.url)
-        backend.endpoint = backend  # test_gen_min_new_tokens reads the model path as a Runtime's
-        sgl.set_default_backend(backend)
-        original_eval = vars(tp).get("eval")
-        tp.eval = _safe_calculate  # module globals come before builtins in test_tool_use's calculate
-        try:
-            with ThreadPoolExecutor(max_workers=len(PROGRAMS)) as pool:
-                futures = {name: pool.submit(_run, name) for name in PROGRAMS}
-                results = {name: f.result() for name, f in futures.items()}
-            print("seconds per program:", {n: round(o.seconds, 1) for n, o in results.items()})
-        finally:
-            if original_eval is None:
-                del tp.eval
-        yield results
+        with ThreadPoolExecutor(max_workers=len(PROGRAMS)) as pool:
+            futures = {name: pool.submit(_run, name) for name in PROGRAMS}
+            results = {name: f.result() for name, f in futures.items()}
+        print("seconds per program:", {n: round(o.seconds, 1) for n, o in results.items()})
     finally:
-        srv.kill()
+        if original_eval is None:
+            del tp.eval
+    return results
 
 
 @pytest.mark.parametrize("name", list(PROGRAMS))
@@ -169,3 +173,20 @@ def test_sglang_frontend_program_runs_against_the_server(outcomes, name):
     if out.content_misses:
         print(f"{name}: content assertions not met by the small model: {out.content_misses}")
     assert out.error is None, f"{name} failed after {out.seconds:.1f}s: {out.error!r}"
+
+
+def test_incremental_streaming_events_carry_only_what_is_new(server):
+    """--incremental-streaming-output: the events' texts, ids and output
+    logprobs concatenate to the plain answer; output_token_logprobs_length
+    counts all so far."""
+    body = {"text": "The capital of France is", "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+    whole = requests.post(server.url + "/generate", json=body, timeout=120).json()
+    with requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True) if line.startswith("data: {")]
+    assert "".join(e["text"] for e in events) == whole["text"]
+    assert [i for e in events for i in e["output_ids"]] == whole["output_ids"]
+    assert [lp for e in events for lp in e["meta_info"]["output_token_logprobs"]] == \
+        whole["meta_info"]["output_token_logprobs"]
+    assert [e["meta_info"]["output_token_logprobs_length"] for e in events] == \
+        [e["meta_info"]["completion_tokens"] for e in events]
