@@ -92,6 +92,9 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     # with return_logprob: >= 0 asks for the logprobs of the prompt tokens from
     # this position on (-1: none); below len(input_ids)
     logprob_start_len: int = -1
+    # with return_logprob: these ids' logprobs at every output (and asked-for
+    # prompt) position (SGLang's token_ids_logprob: classification-style scoring)
+    token_ids_logprob: list[int] = []
     # requests with different salts never share cached prefixes (a shared
     # prefix cache is a timing side channel between tenants)
     cache_salt: str = ""
@@ -220,6 +223,10 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     # predictor is not computed)
     input_token_logprobs: list[list[float | None]] = []
     input_top_logprobs: list[list[list[tuple[float, int]] | None]] = []
+    # per row, for rows with token_ids_logprob: per new token (per prompt
+    # position, the first None, as above) the logprob of each of those ids
+    output_token_ids_logprobs: list[list[list[float]]] = []
+    input_token_ids_logprobs: list[list[list[float] | None]] = []
     queue_times: list[float] = []  # seconds from arrival to the first prefill
     first_token_times: list[float] = []  # wall-clock time.time() of the first output token
 
@@ -329,6 +336,9 @@ class ForwardBatch(msgspec.Struct, tag=True):
     input_logprob_rows: list[int] = []
     input_logprob_starts: list[int] = []
     input_logprob_targets: list[list[int]] = []
+    # per row (empty when no row asks): the ids whose logprobs the row wants at
+    # its sampled position, and at its input_logprob positions
+    token_ids_logprobs: list[list[int]] = []
     # Structured output: row `grammar_rows[j]` may sample only the tokens whose
     # bit is set in row j of `grammar_bitmask`, int32 words little-endian,
     # ceil(vocab_size / 32) per row, bit t % 32 of word t // 32 for token t
@@ -349,6 +359,10 @@ class ForwardResult(msgspec.Struct, tag=True):
     input_token_logprobs: list[list[float]] = []
     input_top_logprob_vals: list[list[list[float]]] = []
     input_top_logprob_ids: list[list[list[int]]] = []
+    # ForwardBatch.token_ids_logprobs' values: per row, and per entry of
+    # input_logprob_rows per position (empty for a row that asked none)
+    token_ids_logprobs: list[list[float]] = []
+    input_token_ids_logprobs: list[list[list[float]]] = []
 
 
 # ---- any child -> launch.py -----------------------------------------------------------

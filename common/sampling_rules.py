@@ -12,6 +12,9 @@ MAX_TOP_K = 2**31 - 1
 MAX_TOKEN_ID = 2**31 - 1  # stop_token_ids, stream_interval
 MAX_SEED = 2**63 - 1  # a request's seed is an int64 (-1 in a ForwardBatch means unseeded)
 MAX_LOGIT_BIAS = 1e9  # |bias| above this cannot change a choice any more, and keeps logits finite in float32
+# token_ids_logprob: ids per request, as many as top_logprobs_num may ask for
+# (the answer holds one value per id per position)
+MAX_TOKEN_IDS_LOGPROB = 100
 
 
 def sampling_error(sp: SamplingParams, vocab_size: int | None = None, prefix: str = "",
@@ -23,8 +26,10 @@ def sampling_error(sp: SamplingParams, vocab_size: int | None = None, prefix: st
     def name(field: str) -> str:
         return prefix + (names or {}).get(field, field)
 
-    if not sp.max_new_tokens >= 1:
-        return f"{name('max_new_tokens')} must be >= 1"
+    # 0 is SGLang's prefill-only request (its frontend's select and prefix
+    # caching send it): prompt logprobs and a warm cache, no output token
+    if not sp.max_new_tokens >= 0:
+        return f"{name('max_new_tokens')} must be >= 0"
     if not sp.temperature >= 0:
         return f"{prefix}temperature must be >= 0"
     if not 0 < sp.top_p <= 1:
@@ -55,4 +60,15 @@ def sampling_error(sp: SamplingParams, vocab_size: int | None = None, prefix: st
         return f"{prefix}logit_bias: token ids must be in [0, {vocab_size})"
     if sp.stream_interval is not None and not 1 <= sp.stream_interval <= MAX_TOKEN_ID:
         return f"{prefix}stream_interval must be in [1, {MAX_TOKEN_ID}]"
+    return None
+
+
+def token_ids_logprob_error(ids: list[int], vocab_size: int, name: str = "token_ids_logprob") -> str | None:
+    """SGLang's token_ids_logprob (the ids whose logprobs a request wants at
+    each position): at most MAX_TOKEN_IDS_LOGPROB, each in the vocabulary."""
+    if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+        return f"{name}: at most {MAX_TOKEN_IDS_LOGPROB} token ids (got {len(ids)})"
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return f"{name}: token id {bad} is out of the vocabulary [0, {vocab_size})"
     return None

@@ -94,6 +94,9 @@ class ServerArgs:
     batching: str = "continuous"  # continuous | static | dynamic
     batch_timeout_ms: float = 50.0  # dynamic batching: launch a partial batch after this
     stream_interval: int = 1
+    # SGLang's: a streamed /generate event carries only what is new since the
+    # last one (text, output_ids, the output logprob lists), not all so far
+    incremental_streaming_output: bool = False
     disable_overlap_schedule: bool = False  # plain loop: read step t's result before sending t+1
     disable_radix_cache: bool = False  # no prefix cache: every request computes its whole prompt
     # cached tokens no running request uses that the prefix cache keeps before a new page
@@ -342,6 +345,9 @@ class ServerArgs:
                             help="dynamic batching: launch a partial batch this long after "
                                  "its first request arrived")
         parser.add_argument("--stream-interval", type=int, default=d["stream_interval"].default)
+        parser.add_argument("--incremental-streaming-output", action="store_true",
+                            help="streamed /generate events carry only the new text, output_ids and "
+                                 "output logprobs (SGLang's flag; default: everything so far, as SGLang)")
         parser.add_argument("--disable-overlap-schedule", action="store_true",
                             help="read each step's result before sending the next (by default "
                                  "the scheduler prepares step t+1 while the model runs step t)")

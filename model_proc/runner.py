@@ -27,7 +27,7 @@ from model_proc.model import LlamaForCausalLM, ModelConfig
 from model_proc.native_decoder import build_native_decoder
 from model_proc.parallel import SINGLE, TensorParallel, shard_heads
 from model_proc.penalties import PenaltyState
-from model_proc.sampler import Sampler, apply_token_bitmask
+from model_proc.sampler import Sampler, apply_token_bitmask, logprobs_of_ids
 from model_proc.step_inputs import StepInputBuilder, StepInputs
 from model_proc.step_stats import DecodeStepStats
 from model_proc.weights import CheckpointReader, resolve_model_path
@@ -131,7 +131,7 @@ class ModelRunner:
         if not self.tp.is_first:  # only rank 0 answers the scheduler
             return result
         if batch.return_logprob:
-            self._add_logprobs(result, logits, next_ids, batch.top_logprobs_nums)
+            self._add_logprobs(result, logits, next_ids, batch.top_logprobs_nums, batch.token_ids_logprobs)
         if batch.input_logprob_rows:
             self._add_input_logprobs(result, prompt_logits, batch)
         result.forward_time = time.perf_counter() - start
@@ -140,9 +140,12 @@ class ModelRunner:
 
     @staticmethod
     def _add_logprobs(result: ForwardResult, logits: torch.Tensor, next_ids: torch.Tensor,
-                      top_nums: list[int]) -> None:
+                      top_nums: list[int], token_ids: list[list[int]]) -> None:
         logprobs = torch.log_softmax(logits, dim=-1)
         result.next_token_logprobs = logprobs.gather(1, next_ids[:, None])[:, 0].tolist()
+        if token_ids:
+            result.token_ids_logprobs = [logprobs_of_ids(logprobs[i:i + 1], ids)[0] if ids else []
+                                         for i, ids in enumerate(token_ids)]
         k = max(top_nums, default=0)
         if k > 0:
             vals, ids = logprobs.topk(k, dim=-1)
@@ -164,7 +167,11 @@ class ModelRunner:
             vals, ids = logprobs.topk(k, dim=-1)
             vals_l, ids_l = vals.tolist(), ids.tolist()
         start = 0
-        for n, top in zip(lens, tops):
+        for n, top, row in zip(lens, tops, batch.input_logprob_rows):
+            if batch.token_ids_logprobs:
+                ids = batch.token_ids_logprobs[row]
+                result.input_token_ids_logprobs.append(
+                    logprobs_of_ids(logprobs[start:start + n], ids) if ids else [])
             result.input_token_logprobs.append(picked[start:start + n])
             if k > 0:
                 result.input_top_logprob_vals.append([v[:top] for v in vals_l[start:start + n]] if top else [])
@@ -257,6 +264,9 @@ class ModelRunner:
             self._check_penalties(b, bs)
         if b.input_logprob_rows:
             self._check_input_logprobs(b, bs)
+        if b.token_ids_logprobs and (len(b.token_ids_logprobs) != bs or any(
+                not 0 <= t < self.model_config.vocab_size for ids in b.token_ids_logprobs for t in ids)):
+            raise ValueError("ForwardBatch: token_ids_logprobs needs one list per row, of ids in the vocabulary")
         if b.grammar_rows:
             words = (self.model_config.vocab_size + 31) // 32
             if len(set(b.grammar_rows)) != len(b.grammar_rows) or min(b.grammar_rows) < 0 \

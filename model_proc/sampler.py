@@ -68,6 +68,13 @@ class SamplingBatch:
         )
 
 
+def logprobs_of_ids(logprobs: torch.Tensor, ids: list[int]) -> list[list[float]]:
+    """logprobs [N, V] -> per row, the logprob of each of `ids` (SGLang's
+    token_ids_logprob), in their order: one gather for all the rows."""
+    index = torch.tensor(ids, dtype=torch.int64, device=logprobs.device)
+    return logprobs.index_select(1, index).tolist()
+
+
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim of [B, V], the first of equal maxima, NaN the
     largest (as argmax). On a CPU the native op where it runs (one

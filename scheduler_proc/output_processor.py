@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from common.messages import AbortKind, BatchTokenOut, ForwardMode, ForwardResult, ToTokenizerMsg
+from common.messages import AbortKind, BatchTokenOut, FinishLength, ForwardMode, ForwardResult, ToTokenizerMsg
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.req import Req
 from scheduler_proc.timeline import Timeline
@@ -59,6 +59,8 @@ class OutputProcessor:
         for j, row in enumerate(step.input_logprob_rows):
             req = step.reqs[row]
             req.input_token_logprobs.extend(result.input_token_logprobs[j])
+            if req.token_ids_logprob:
+                req.input_token_ids_logprobs.extend(result.input_token_ids_logprobs[j])
             if req.top_logprobs_num:
                 req.input_top_logprobs.extend(
                     list(zip(v, i)) for v, i in zip(result.input_top_logprob_vals[j],
@@ -75,6 +77,12 @@ class OutputProcessor:
                 continue
             self.total_row_steps += 1
             self.useful_row_steps += 1
+            if req.prefill_only:
+                # its prompt is in the pool now (and its prompt logprobs taken):
+                # the token sampled after it is no output of a 0-token request
+                req.finish = FinishLength(0)
+                self.retire(req)
+                continue
             self.append_token(req, i, token, result)
             if req.finished:
                 self.retire(req)
@@ -96,6 +104,8 @@ class OutputProcessor:
             self.timeline.request(req.rid, "first_token", t=req.first_token_time)
         if req.return_logprob:
             req.output_token_logprobs.append(result.next_token_logprobs[row])
+            if req.token_ids_logprob:
+                req.output_token_ids_logprobs.append(result.token_ids_logprobs[row])
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(
                     list(zip(result.top_logprob_vals[row], result.top_logprob_ids[row])))
@@ -127,6 +137,7 @@ class OutputProcessor:
             out.num_retractions.append(req.num_retractions)
             out.output_token_logprobs.append(req.output_token_logprobs[req.sent_len:])
             out.output_top_logprobs.append(req.output_top_logprobs[req.sent_len:])
+            out.output_token_ids_logprobs.append(req.output_token_ids_logprobs[req.sent_len:])
             self.add_input_logprobs(out, req)
             out.queue_times.append(req.queue_time)
             out.first_token_times.append(req.first_token_time)
@@ -145,9 +156,11 @@ class OutputProcessor:
         if req.logprob_start_len < 0 or req.input_logprobs_sent:
             out.input_token_logprobs.append([])
             out.input_top_logprobs.append([])
+            out.input_token_ids_logprobs.append([])
             return
         out.input_token_logprobs.append([None, *req.input_token_logprobs])
         out.input_top_logprobs.append([None, *req.input_top_logprobs] if req.top_logprobs_num else [])
+        out.input_token_ids_logprobs.append([None, *req.input_token_ids_logprobs] if req.token_ids_logprob else [])
         req.input_logprobs_sent = True
 
     # ---- stats --------------------------------------------------------------------------

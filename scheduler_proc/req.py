@@ -32,6 +32,7 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0 (with return_logprob): prompt logprobs from there
+    token_ids_logprob: list[int] = field(default_factory=list)  # with return_logprob: these ids' logprobs too
     cache_salt: str = ""
     deadline: float | None = None  # time.time() after which it ends as an abort
     priority: int = 0  # with --enable-priority-scheduling: larger goes first (SGLang's convention)
@@ -72,6 +73,10 @@ class Req:
     input_token_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_logprobs_sent: bool = False
+    # token_ids_logprob's values, aligned with output_token_logprobs and
+    # input_token_logprobs: per position, one per id
+    output_token_ids_logprobs: list[list[float]] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[float]] = field(default_factory=list)
 
     @classmethod
     def from_message(cls, msg: TokenizedGenerateReq, eos_token_ids: list[int]) -> "Req":
@@ -84,6 +89,7 @@ class Req:
                    arrival_time=msg.arrival_time or time.time(),
                    return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
                    logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
+                   token_ids_logprob=list(msg.token_ids_logprob) if msg.return_logprob else [],
                    input_logprob_next=max(msg.logprob_start_len, 0),
                    cache_salt=msg.cache_salt, penalized=sp.penalized(), priority=msg.priority)
 
@@ -151,6 +157,14 @@ class Req:
     @property
     def aborted(self) -> bool:
         return isinstance(self.finish, FinishAbort)
+
+    @property
+    def prefill_only(self) -> bool:
+        """max_new_tokens 0 (SGLang's cache warm-up and prompt scoring): it ends
+        after its prefill, by length, with no output token. Its last prefill
+        step's sampled token counts as pending (so the overlap schedule never
+        decodes it: finishes_with_pending) and is dropped when read."""
+        return self.sampling_params.max_new_tokens == 0
 
     @property
     def remaining_new_tokens(self) -> int:

@@ -9,7 +9,7 @@ from collections import deque
 from typing import Callable
 
 from common.messages import AbortKind, ModelInfo, TokenizedGenerateReq
-from common.sampling_rules import sampling_error
+from common.sampling_rules import sampling_error, token_ids_logprob_error
 from common.server_args import ServerArgs
 from scheduler_proc.grammar import GrammarBackend, GrammarFailure, ReqGrammar
 from scheduler_proc.req import Req
@@ -99,7 +99,7 @@ class RequestQueue:
             return "the prompt is empty"
         if not all(0 <= t < vocab for t in req.origin_input_ids):
             return f"token ids must be in [0, {vocab})"
-        error = sampling_error(req.sampling_params, vocab)
+        error = sampling_error(req.sampling_params, vocab) or token_ids_logprob_error(req.token_ids_logprob, vocab)
         if error is not None:
             return error
         if not -1 <= req.logprob_start_len < n:

@@ -168,7 +168,9 @@ class ScheduleBatch:
 
     def prepare_for_decode(self, cache: CacheManager) -> None:
         """One new token per row: the row's last sampled token, at position kv_len.
-        A token still in flight (overlap) goes as FUTURE_TOKEN: the model has it."""
+        A token still in flight (overlap) goes as FUTURE_TOKEN: the model has it;
+        so does the dropped token of a prefill-only row kept as padding (static
+        batching), which has no output."""
         self.forward_mode = ForwardMode.DECODE
         self.decode_from = 0
         self.prefix_lens = []
@@ -182,7 +184,7 @@ class ScheduleBatch:
         self.out_cache_loc = locs
         self.seq_lens = [r.kv_len for r in self.reqs]
         self.input_ids = torch.tensor(
-            [FUTURE_TOKEN if r.pending_tokens else r.output_ids[-1] for r in self.reqs],
+            [FUTURE_TOKEN if r.pending_tokens or not r.output_ids else r.output_ids[-1] for r in self.reqs],
             dtype=torch.int64)
 
     def mix_with_running(self, running: "ScheduleBatch") -> None:
@@ -263,6 +265,8 @@ class ScheduleBatch:
             penalty_rows=self.penalty_rows(seq_lens), penalty_inits=self.penalty_inits,
             input_logprob_rows=self.input_logprob_rows, input_logprob_starts=self.input_logprob_starts,
             input_logprob_targets=self.input_logprob_targets,
+            token_ids_logprobs=[r.token_ids_logprob for r in self.reqs]
+            if any(r.token_ids_logprob for r in self.reqs) else [],
             grammar_rows=grammar_rows,
             grammar_bitmask=fill_bitmask([self.reqs[i].grammar for i in grammar_rows]) if grammar_rows else b"",
         )

@@ -59,6 +59,11 @@ prebuild_native() {
   "$PY" -m model_proc.native || echo "install.sh: a native op was not built (see above)"
 }
 
+# SGLang's frontend test programs (tests/e2e/test_sglang_frontend.py): the wheel
+# alone, for the tests only (its own dependencies are a whole GPU server)
+"$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)" \
+  || "$PY" -m pip install -q --no-deps "sglang==0.5.23"
+
 [ -z "$missing" ] && { prebuild_native; exit 0; }
 echo "install.sh: installing: $missing"
 

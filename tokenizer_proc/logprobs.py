@@ -94,6 +94,14 @@ def native_top_logprobs(tops: list[list[tuple[float, int]] | None], texts: Token
     return encoded_list(rows) if chunked else list(rows)
 
 
+def native_ids_logprobs(ids: list[int], per_position: list[list[float] | None],
+                        texts: TokenTexts | None) -> list[list[list[Any]] | None]:
+    """token_ids_logprob: per position [[logprob, token_id, text_or_null], ...]
+    for the requested ids in their order, or null (a prompt's first)"""
+    return [None if vals is None else [[lp, i, texts(i) if texts else None] for lp, i in zip(vals, ids)]
+            for vals in per_position]
+
+
 # ---- OpenAI chat: {"content": [{token, logprob, bytes, top_logprobs}]} ---------------------
 
 

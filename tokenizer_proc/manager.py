@@ -82,6 +82,9 @@ class ReqState:
     # per prompt token from logprob_start_len, the first None (SGLang's layout)
     input_token_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    # token_ids_logprob's values, aligned with token_logprobs and input_token_logprobs
+    token_ids_logprobs: list[list[float]] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[float] | None] = field(default_factory=list)
     # Set whenever new output arrives; the handler clears it after reading.
     event: asyncio.Event = field(default_factory=asyncio.Event)
     # the front end's own deadline for it (None: no timeout)
@@ -339,6 +342,10 @@ class TokenizerManager:
             if i < len(out.input_token_logprobs) and out.input_token_logprobs[i]:
                 state.input_token_logprobs = list(out.input_token_logprobs[i])
                 state.input_top_logprobs = list(out.input_top_logprobs[i])
+                if i < len(out.input_token_ids_logprobs):
+                    state.input_token_ids_logprobs = list(out.input_token_ids_logprobs[i])
+            if i < len(out.output_token_ids_logprobs):
+                state.token_ids_logprobs.extend(out.output_token_ids_logprobs[i])
             state.prompt_tokens = out.prompt_tokens[i]
             state.completion_tokens = out.completion_tokens[i]
             state.cached_tokens = out.cached_tokens[i]

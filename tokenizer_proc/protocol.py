@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from common.messages import SamplingParams, TokenizedGenerateReq
-from common.sampling_rules import MAX_LOGIT_BIAS, sampling_error
+from common.sampling_rules import MAX_LOGIT_BIAS, sampling_error, token_ids_logprob_error
 from common.sampling_rules import MAX_SEED as MAX_SEED_OF_A_SAMPLE
 from tokenizer_proc.errors import BadRequestError
 from tokenizer_proc.grammar import grammar_from_fields
@@ -27,7 +27,8 @@ from tokenizer_proc.sglang_fields import GENERATE_FIELDS, SAMPLING_FIELDS, check
 from tokenizer_proc.tokenizer import Tokenizer
 from tokenizer_proc.validation import (cache_namespace, check_bool, check_cache_salt, check_int, check_int_list,
                                        check_logit_bias, check_number, check_priority, check_prompt_chars, check_rid,
-                                       check_stop, check_stop_regex, check_timeout, optional, parse_json_object)
+                                       check_stop, check_stop_regex, check_timeout, is_int, optional,
+                                       parse_json_object)
 
 __all__ = ["BadRequestError", "GenerateInput", "PendingGenerate", "SamplingInput", "check_generate_request",
            "parse_generate_request", "parse_json_object", "parse_sampling_params", "check_prompt_ids",
@@ -230,6 +231,7 @@ class PendingGenerate:
     priority: int
     context_len: int
     vocab_size: int
+    token_ids_logprob: list[list[int]] | None = None  # per prompt (None: none)
 
     def encode(self, tokenizer: Tokenizer) -> list[list[int]]:
         return encode_prompts(tokenizer, self.prompts, self.vocab_size)
@@ -242,7 +244,8 @@ class PendingGenerate:
                 raise BadRequestError(f"logprob_start_len ({start}) must be -1 or below the prompt length "
                                       f"({len(ids)} tokens)")
         specs = []
-        for ids, base, s in zip(prompts, self.bases, self.sampling):
+        token_ids = self.token_ids_logprob or [[]] * len(prompts)
+        for ids, base, s, wanted in zip(prompts, self.bases, self.sampling, token_ids):
             sp = s.params
             for k, rid in enumerate(fan_out_rids(base, n)):
                 req = TokenizedGenerateReq(
@@ -250,6 +253,7 @@ class PendingGenerate:
                     sampling_params=SamplingParams(**{**_fields(sp), "seed": seed_for_sample(sp.seed, k)}),
                     return_logprob=self.return_logprob, top_logprobs_num=self.top_n if self.return_logprob else 0,
                     logprob_start_len=start if self.return_logprob else -1,
+                    token_ids_logprob=wanted if self.return_logprob else [],
                     cache_salt=self.cache_salt, timeout_s=self.timeout, priority=self.priority)
                 specs.append(RequestSpec(req, stop=s.stop, stop_regex=s.stop_regex, no_stop_trim=s.no_stop_trim,
                                          group=base if n > 1 else None))
@@ -276,6 +280,7 @@ def check_generate_request(body: dict[str, Any], context_len: int, vocab_size: i
     priority = optional(body, "priority", check_priority, 0)
 
     prompts, batched = _prompt_sources(body, context_len, char_limit)
+    token_ids = parse_token_ids_logprob(body.get("token_ids_logprob"), len(prompts), batched, vocab_size)
     sampling = _sampling_per_prompt(body.get("sampling_params"), len(prompts), vocab_size)
     n = sampling[0].n
     if len(prompts) * n > MAX_OUTPUTS:
@@ -285,7 +290,8 @@ def check_generate_request(body: dict[str, Any], context_len: int, vocab_size: i
     return PendingGenerate(prompts=prompts, sampling=sampling, bases=bases, batched=batched, stream=stream,
                            return_logprob=return_logprob, top_n=top_n, text_in_logprobs=text_in_logprobs,
                            start=start, cache_salt=cache_salt, timeout=timeout, priority=priority,
-                           context_len=context_len, vocab_size=vocab_size)
+                           context_len=context_len, vocab_size=vocab_size,
+                           token_ids_logprob=token_ids)
 
 
 def parse_generate_request(
@@ -313,3 +319,38 @@ def _sampling_per_prompt(obj: Any, n_prompts: int, vocab_size: int) -> list[Samp
 
 def _fields(sp: SamplingParams) -> dict[str, Any]:
     return {f: getattr(sp, f) for f in sp.__struct_fields__}
+
+
+def parse_token_ids_logprob(value: Any, n_prompts: int, prompt_list: bool,
+                            vocab_size: int) -> list[list[int]] | None:
+    """SGLang's token_ids_logprob: a list of token ids for every prompt, or,
+    with a list of prompts, a list of such lists, one per prompt. Per prompt;
+    None when no prompt asks. Each id must be in the vocabulary."""
+    name = "token_ids_logprob"
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list):
+        raise BadRequestError(f"{name} must be a list of token ids (integers)")
+    nested = False
+    if all(is_int(v) for v in value):
+        per_prompt = [value] * n_prompts
+    elif all(v is None or isinstance(v, list) for v in value):
+        if not prompt_list:
+            raise BadRequestError(f"{name} must be a flat list of token ids (integers): "
+                                  "a list of lists is one per prompt, for a list of prompts")
+        if len(value) != n_prompts:
+            raise BadRequestError(f"{name}: a list of lists must have one list per prompt ({n_prompts})")
+        per_prompt, nested = [v or [] for v in value], True
+        for k, ids in enumerate(per_prompt):
+            bad = next((j for j, t in enumerate(ids) if not is_int(t)), None)
+            if bad is not None:
+                raise BadRequestError(f"{name}[{k}][{bad}] must be an integer token id, not "
+                                      f"{type(ids[bad]).__name__}")
+    else:
+        bad = next(j for j, t in enumerate(value) if not is_int(t))
+        raise BadRequestError(f"{name}[{bad}] must be an integer token id, not {type(value[bad]).__name__}")
+    for k, ids in enumerate(per_prompt):
+        error = token_ids_logprob_error(ids, vocab_size, f"{name}[{k}]" if nested else name)
+        if error is not None:
+            raise BadRequestError(error)
+    return per_prompt if any(per_prompt) else None

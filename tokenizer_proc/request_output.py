@@ -54,6 +54,7 @@ class Arrival:
     ids: list[int]
     token_logprobs: list[float]
     top_logprobs: list[list[tuple[float, int]]]
+    token_ids_logprobs: list[list[float]]  # with token_ids_logprob
     reason: FinishReason | None  # set on the final row
     trim: bool  # the last id is a matched stop token: not part of the text
 
@@ -75,6 +76,7 @@ class RequestOutput:
         self.text_len = 0
         self.token_logprobs: list[float] = []  # aligned with ids when asked for
         self.top_logprobs: list[list[tuple[float, int]]] = []
+        self.token_ids_logprobs: list[list[float]] = []  # aligned with ids, with token_ids_logprob
         self.finish_reason: FinishReason | None = None
         self.stopped_here = False  # finished here (a stop string), before the scheduler knew
 
@@ -136,6 +138,7 @@ class RequestOutput:
             ids=st.output_ids[start:end],
             token_logprobs=st.token_logprobs[start:end] if logprobs else [],
             top_logprobs=st.top_logprobs[start:end] if logprobs else [],
+            token_ids_logprobs=st.token_ids_logprobs[start:end] if logprobs else [],
             reason=reason,
             trim=reason is not None and not self.spec.no_stop_trim and matched_stop_token(reason, st.output_ids))
 
@@ -166,6 +169,7 @@ class RequestOutput:
         if self.spec.req.return_logprob:
             self.token_logprobs.extend(arrival.token_logprobs[start:stop])
             self.top_logprobs.extend(arrival.top_logprobs[start:stop])
+            self.token_ids_logprobs.extend(arrival.token_ids_logprobs[start:stop])
 
     def _show(self, delta: str) -> bool:
         """Appends text (through the stop matcher); True when a stop string

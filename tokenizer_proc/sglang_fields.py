@@ -67,7 +67,7 @@ GENERATE_FIELDS: dict[str, Rule] = {
     "logprob_start_len": _impl("with return_logprob: prompt logprobs from this position (-1: none)"),
     "priority": _impl("with --enable-priority-scheduling: larger first; ignored without it, as in SGLang"),
     "timeout": _impl("this server's: seconds from arrival; past it the request ends as an abort"),
-    "token_ids_logprob": _default("logprobs of chosen token ids are not supported"),
+    "token_ids_logprob": _impl("with return_logprob: these ids' logprobs at each output (and prompt) position"),
     "return_sampling_mask": _default("sampling masks are not returned", False),
     "return_flat_raw_top_logprobs": _default("flat raw top logprobs are not returned", False),
     "return_flat_raw_top_logprobs_b64": _default("flat raw top logprobs are not returned", False),

@@ -12,7 +12,7 @@ from tokenizer_proc.errors import BadRequestError
 from tokenizer_proc.protocol import MAX_N, validate_sampling_params
 
 BAD = [
-    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+    ({"max_new_tokens": -1}, "max_new_tokens must be >= 0"),
     ({"temperature": -0.5}, "temperature must be >= 0"),
     ({"top_p": 0.0}, "top_p must be in (0, 1]"),
     ({"top_p": float("nan")}, "top_p must be in (0, 1]"),

@@ -171,3 +171,45 @@ def test_the_model_head_runs_only_over_the_positions_asked_for(tiny_llama_dir, m
     bad.input_logprob_rows, bad.input_logprob_starts, bad.input_logprob_targets = [0], [5], [[1] * 5]
     with pytest.raises(ValueError, match="input logprob"):
         runner.forward(bad)
+
+
+@MODES
+def test_token_ids_logprob_equal_transformers_at_every_position(tiny_llama_dir, overlap):
+    """SGLang's token_ids_logprob: the chosen ids' logprobs at each prompt
+    position from logprob_start_len (over chunks) and at each output token."""
+    engine = Engine(tiny_llama_dir, max_running_requests=4, max_total_tokens=512, chunked_prefill_size=16,
+                    disable_overlap_schedule=not overlap)
+    prompt, wanted = _prompt(40, 37), [7, 3, 300, 7]
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.sched.process_input_requests([
+        TokenizedGenerateReq(rid="ids", input_ids=prompt, sampling_params=sp, return_logprob=True,
+                             logprob_start_len=5, token_ids_logprob=wanted),
+        TokenizedGenerateReq(rid="plain", input_ids=_prompt(41, 20), sampling_params=sp, return_logprob=True,
+                             logprob_start_len=0)])
+    _run(engine)
+    engine.assert_no_leak()
+    rows = [(m.input_token_ids_logprobs[i], m.output_token_ids_logprobs[i], m.new_token_ids[i])
+            for m in engine.outputs for i, r in enumerate(m.rids) if r == "ids"]
+    inputs = [x for x, _, _ in rows if x]
+    assert len(inputs) == 1 and inputs[0][0] is None and len(inputs[0]) == len(prompt) - 5
+    output = [v for _, vals, _ in rows for v in vals]
+    tokens = [t for _, _, ts in rows for t in ts]
+    ref = _reference(tiny_llama_dir, prompt + tokens)
+    for p, vals in zip(range(5, len(prompt) - 1), inputs[0][1:]):
+        assert vals == pytest.approx(ref[p, wanted].tolist(), abs=1e-4)
+    # output token k is sampled at position len(prompt) - 1 + k
+    assert len(output) == len(tokens) == 4
+    for k, vals in enumerate(output):
+        assert vals == pytest.approx(ref[len(prompt) - 1 + k, wanted].tolist(), abs=1e-4)
+    assert all(not m.output_token_ids_logprobs[i] and not m.input_token_ids_logprobs[i]
+               for m in engine.outputs for i, r in enumerate(m.rids) if r == "plain")
+
+
+def test_token_ids_logprob_outside_the_vocabulary_is_refused_by_the_scheduler(tiny_llama_dir):
+    engine = Engine(tiny_llama_dir, max_running_requests=2, max_total_tokens=256)
+    engine.sched.process_input_requests([TokenizedGenerateReq(
+        rid="bad", input_ids=[5, 6, 7], sampling_params=SamplingParams(max_new_tokens=1), return_logprob=True,
+        token_ids_logprob=[3, 10**6])])
+    reason = finish_json(engine.outputs[-1].finished_reasons[0])
+    assert reason["type"] == "abort" and reason["status_code"] == 400
+    assert "token_ids_logprob" in reason["message"]

@@ -109,7 +109,7 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
     ("prompt fills context", {"input_ids": [5] * CONTEXT_LEN}, "must be shorter than the model's context length"),
     ("prompt + max_new over context",
      {"input_ids": [5] * 100, "sampling_params": {"max_new_tokens": CONTEXT_LEN - 99}}, "context length"),
-    ("max_new_tokens 0", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
+    ("max_new_tokens -1", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be >= 0"),
     ("temperature negative", {"text": "hi", "sampling_params": {"temperature": -0.1}}, "temperature"),
     ("top_p 0", {"text": "hi", "sampling_params": {"top_p": 0}}, "top_p"),
     ("top_p above 1", {"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
