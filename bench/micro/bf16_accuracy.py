@@ -157,10 +157,10 @@ PLAIN = [
 PROMPTS: list[tuple[str, str]] = [("chat", q) for q in CHAT] + [("plain", t) for t in PLAIN]
 
 
-def encode_prompts(tokenizer, count: int, stride: int = 1) -> list[list[int]]:
-    """The ids of `count` prompts, every `stride`-th from the first (the chat
-    ones through the model's chat template)."""
-    chosen = PROMPTS[::stride][:count]
+def encode_prompts(tokenizer, count: int, which: list[int] | None = None) -> list[list[int]]:
+    """The ids of the first `count` prompts, or of those at the indices
+    `which` (the chat ones through the model's chat template)."""
+    chosen = [PROMPTS[i] for i in which] if which is not None else PROMPTS[:count]
     if count > len(chosen):
         raise ValueError(f"{count} prompts asked for: there are {len(chosen)}")
     out = []
