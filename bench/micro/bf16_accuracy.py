@@ -307,7 +307,6 @@ def variant_logits(folder: str, variants: list[Variant],
         else:
             runner = ModelRunner(runner_args(v, folder, context))
             yield v, lambda p, a, r=runner: runner_logits(r, p, a)
-        del v
 
 
 # ---- the report -------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ from model_proc.dtypes import native_bfloat16
 # short chat and plain prompts and one of ~190 tokens: the test stays cheap
 WHICH = [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 34, 40, 44, 48, 52]
 PROMPTS, STEPS = len(WHICH), 4
-# ours measured 0.6-0.8x transformers' KL over the 64 prompts (bench/RESULTS.md)
+# measured: ours 0.68x transformers' KL over the 64 prompts (bench/RESULTS.md), 0.75x over these 16
+# (top-1 agreement 99.0% against 96.9%)
 KL_RATIO, TOP1_DELTA = 1.2, 0.01
 
 
