@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import os
+
+# Triton's kernels run in its interpreter in this process (tests/kernels/conftest.py
+# says why). Triton reads the variable when triton.language is first imported, and
+# test modules collected before tests/kernels import packages that import triton
+# (sglang's frontend), so it is set here, before any test module is collected.
+# Processes that compile real kernels (tests/gpu, test_kernel_compile) drop it.
+os.environ["TRITON_INTERPRET"] = "1"
+
+from typing import Any, Callable  # noqa: E402
 
 import pytest
 

@@ -1,12 +1,12 @@
 """Triton kernels on a CPU-only machine run in Triton's interpreter.
 
-TRITON_INTERPRET is read when a kernel is decorated, i.e. when a kernels/
-module is first imported, so it is set here, at conftest import time, before
-any test module can import one. (Nothing outside kernels/ imports triton at
-import time; the triton attention backend imports kernels/ lazily.)
+TRITON_INTERPRET is read when triton.language is first imported and when a
+kernel is decorated, so tests/conftest.py sets it before any test module is
+collected (sglang's frontend, imported by an e2e test module, imports triton;
+the triton attention backend imports kernels/ lazily).
 
 The interpreter computes bfloat16 wrongly (numpy has no bfloat16), so these
-tests use float32 and float16; bench/gpu_check.py covers bfloat16 on a GPU.
+tests use float32 and float16; tests/gpu/gpu_check.py covers bfloat16 on a GPU.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ from __future__ import annotations
 import os
 import secrets
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 @pytest.fixture
