@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,6 +19,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_run(n: int) -> int:
+    """The first of `n` consecutive ports that are all free now, below the
+    kernel's ephemeral range (32768 and up on Linux): a port next to one the
+    kernel handed out may be any client connection's local port (the full
+    suite leaves thousands), which a server's bind then fails on."""
+    rng = random.Random(os.getpid())
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - n)
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports between 20000 and 32000")
 
 
 def children_of(pid: int) -> list[int]:

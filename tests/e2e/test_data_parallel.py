@@ -16,7 +16,7 @@ import time
 import pytest
 import requests
 
-from tests.e2e.server_process import ROOT, children_of, free_port, pid_alive
+from tests.e2e.server_process import ROOT, children_of, free_port, free_port_run, pid_alive
 
 pytest.importorskip("sglang_router", reason="sglang-router is the [scale] extra (scripts/install.sh installs it)")
 
@@ -34,10 +34,7 @@ def descendants(pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    port = free_port()
-    base = free_port()
-    while base in (port, port + 1) or base + 1 == port:
-        base = free_port()
+    port, base = free_port(), free_port_run(2)  # the replicas listen on base and base + 1
     env = {**os.environ, "PORT": str(port), "BASE_PORT": str(base)}
     log = open(os.path.join(ROOT, ".pytest_serve_dp.log"), "wb")
     proc = subprocess.Popen(["bash", "scripts/serve-dp.sh", "2", *FLAGS], cwd=ROOT, env=env, stdout=log,
