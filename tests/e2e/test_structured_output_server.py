@@ -140,7 +140,7 @@ def test_a_schema_over_a_size_bound_is_a_400_naming_the_flag(server, client, sch
 
 def test_a_one_field_schema_is_not_held_behind_large_schemas_whose_clients_left(server):
     """Twelve large schemas (a compile of about a second each), each client gone
-    after 1 s, then a one-field schema: it waits at most for the compiles
+    after at most 1 s, then a one-field schema: it waits at most for the compiles
     already running (the queued ones are dropped, and it would pass them), not
     for twelve, as one compile thread in arrival order made it."""
     def ask(schema: dict, timeout: float) -> requests.Response | None:
@@ -151,12 +151,17 @@ def test_a_one_field_schema_is_not_held_behind_large_schemas_whose_clients_left(
         except requests.exceptions.Timeout:
             return None  # the client left
 
+    warm = {"type": "object", "properties": {"w": {"type": "integer"}}}
+    assert ask(warm, 120).status_code == 200  # the grammar backend's start, not counted below
     t0 = time.monotonic()
     assert ask(large_schema("alone"), 120).status_code == 200
     alone = time.monotonic() - t0  # one large schema's compile and answer, here, now
+    # the clients leave while the first compiles still run, however fast this machine compiles
+    patience = min(1.0, alone / 4)
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        gone = [pool.submit(ask, large_schema(str(k)), 1.0) for k in range(12)]
-        assert all(f.result() is None for f in gone)
+        gone = [pool.submit(ask, large_schema(str(k)), patience) for k in range(12)]
+        answered = [k for k, f in enumerate(gone) if f.result() is not None]
+        assert not answered, f"large schemas {answered} were answered within {patience:.2f} s (alone: {alone:.2f} s)"
         t0 = time.monotonic()
         r = ask({"type": "object", "properties": {"a": {"type": "integer"}}}, 120)
         waited = time.monotonic() - t0
