@@ -23,7 +23,7 @@ from common.cpu_runtime import model_threads
 from common.ipc import PullSocket, PushSocket
 from common.messages import ForwardBatch, ReadyMsg
 from common.peer_watch import PeerWatch, exit_when_lost
-from common.proc import ChildConfig, child_main_setup, model_proc_name, setup_logging
+from common.proc import ChildConfig, child_main_setup, freeze_startup_heap, model_proc_name, setup_logging
 from common.server_args import ServerArgs
 from model_proc.parallel import TensorParallel, init_tensor_parallel
 from model_proc.runner import ModelRunner
@@ -69,6 +69,7 @@ def main() -> None:
             sys.exit(1)
         ctx = zmq.Context()
         launcher = PushSocket(ctx, cfg.ipc.launcher)
+        freeze_startup_heap()
         if tp.is_first:
             serve(cfg, runner, tp, ctx, launcher)
         else:

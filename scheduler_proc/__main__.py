@@ -20,7 +20,7 @@ import zmq
 from common.ipc import PullSocket, PushSocket
 from common.messages import ReadyMsg, SchedulerHeartbeat, ToSchedulerMsg
 from common.peer_watch import PeerWatch, exit_when_lost
-from common.proc import child_main_setup
+from common.proc import child_main_setup, freeze_startup_heap
 from scheduler_proc.model_client import ZmqModelClient
 from scheduler_proc.create import create_scheduler
 from scheduler_proc.scheduler import HEARTBEAT_S, WatchdogTimeout
@@ -56,6 +56,7 @@ def main() -> None:
     to_launcher.send(ReadyMsg(proc="scheduler", pid=os.getpid()))
     logger.info("scheduler ready: max_running_requests=%d, max_total_tokens=%d",
                 cfg.server_args.max_running_requests, cfg.model_info.max_total_tokens)
+    freeze_startup_heap()
     try:
         scheduler.event_loop(recv_requests)
     except WatchdogTimeout as e:

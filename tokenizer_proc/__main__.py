@@ -21,7 +21,7 @@ import zmq
 from common.ipc import PushSocket
 from common.messages import ReadyMsg
 from common.peer_watch import PeerWatch, read_stop_reason, socket_dir
-from common.proc import ChildConfig, child_main_setup
+from common.proc import ChildConfig, child_main_setup, freeze_startup_heap
 from tokenizer_proc.connections import raise_open_file_limit
 from tokenizer_proc.http_server import MANAGER, build_app, start_http
 from tokenizer_proc.shutdown import Shutdown
@@ -47,6 +47,7 @@ async def serve(cfg: ChildConfig, tokenizer: Tokenizer) -> int:
 
     runner = await start_http(app, args.host, args.port)
     logger.info("HTTP server listening on http://%s:%d", args.host, args.port)
+    freeze_startup_heap()
 
     # Ready only once the port accepts connections. The socket stays open until
     # exit: closing it at once (LINGER 0) could drop the unsent message.
