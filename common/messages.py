@@ -239,7 +239,7 @@ class SchedulerReply(msgspec.Struct, tag=True):
 
 
 class SchedulerHeartbeat(msgspec.Struct, tag=True):
-    """Sent by the scheduler every scheduler_proc.scheduler.HEARTBEAT_S while
+    """Sent by the scheduler every scheduler_proc.watchdog.HEARTBEAT_S while
     it runs, idle or not, even while it waits for the model: the front end's
     sign that the engine answers (/health, its watchdog)."""
 

@@ -23,7 +23,7 @@ from common.peer_watch import PeerWatch, exit_when_lost
 from common.proc import child_main_setup, freeze_startup_heap
 from scheduler_proc.model_client import ZmqModelClient
 from scheduler_proc.create import create_scheduler
-from scheduler_proc.scheduler import HEARTBEAT_S, WatchdogTimeout
+from scheduler_proc.watchdog import HEARTBEAT_S, WatchdogTimeout
 
 logger = logging.getLogger("scheduler")
 

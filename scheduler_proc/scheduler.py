@@ -11,8 +11,7 @@ from collections import deque
 from typing import Callable
 
 from common.messages import (AbortKind, AbortReq, FinishAbort, FinishMatchedStr, FinishReason, ForwardMode, ModelInfo,
-                             SchedulerHeartbeat, StopMatchedReq, TokenizedGenerateReq, ToSchedulerMsg,
-                             ToTokenizerMsg)
+                             StopMatchedReq, TokenizedGenerateReq, ToSchedulerMsg, ToTokenizerMsg)
 from common.server_args import ServerArgs
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.decode_manager import DecodeManager
@@ -25,17 +24,11 @@ from scheduler_proc.req import Req
 from scheduler_proc.request_queue import RequestQueue, default_queue_limit  # noqa: F401 (re-exported)
 from scheduler_proc.schedule_batch import NEEDS_RESULTS, NeedsResults, ScheduleBatch
 from scheduler_proc.timeline import Timeline
+from scheduler_proc.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
 Choice = ScheduleBatch | NeedsResults | None  # what a batch chooser returns
-# how often the loop tells the front end it is alive (a SchedulerHeartbeat),
-# idle, busy or waiting for the model; the front end's bounds are many of these
-HEARTBEAT_S = 0.5
-
-
-class WatchdogTimeout(RuntimeError):
-    """The model has not answered a step for --watchdog-timeout seconds."""
 
 
 class Scheduler:
@@ -57,7 +50,7 @@ class Scheduler:
         self.overlap = not server_args.disable_overlap_schedule
         self.inflight: deque[LaunchedStep] = deque()  # sent, result not yet processed
         self.last_result_time = 0.0
-        self.last_heartbeat = 0.0  # time.perf_counter() of the last SchedulerHeartbeat
+        self.watchdog = Watchdog(server_args.watchdog_timeout, lambda msg: self.send_output(msg))
         self.radix_cache_enabled = not server_args.disable_radix_cache and self.prefix_cache_allowed
         self.cache = CacheManager(model_info.max_total_tokens, server_args.max_running_requests,
                                   self.context_len, use_tree=self.radix_cache_enabled,
@@ -228,19 +221,9 @@ class Scheduler:
         return now - max(self.inflight[0].launch_time, self.last_result_time)
 
     def tick(self) -> None:
-        """Called every loop iteration and, while waiting for the model, every
-        HEARTBEAT_S: raises WatchdogTimeout once a step has gone unanswered for
-        --watchdog-timeout (SGLang's watchdog: a hung engine must end as a
-        crash does, so a supervisor restarts it), and sends the heartbeat."""
-        now = time.perf_counter()
-        silent = self.model_silent_s(now)
-        limit = self.args.watchdog_timeout
-        if limit and silent > limit:
-            raise WatchdogTimeout(f"the model process has not answered a step for {silent:.1f} s "
-                                  f"(--watchdog-timeout {limit:g})")
-        if now - self.last_heartbeat >= HEARTBEAT_S:
-            self.last_heartbeat = now
-            self.send_output(SchedulerHeartbeat(model_silent_s=silent))
+        """Every loop iteration, and every HEARTBEAT_S while waiting for the
+        model: the watchdog and the heartbeat (scheduler_proc/watchdog.py)."""
+        self.watchdog.tick(self.model_silent_s(time.perf_counter()))
 
     # ---- loop ---------------------------------------------------------------------------
 
