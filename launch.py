@@ -237,14 +237,14 @@ class Launcher:
         node, to stop (so that they exit 0), and then they are gone too."""
         rank0 = self.children.get("model")
         if self.args.tp_size > 1 and rank0 is not None and rank0.poll() is None:
-            rank0.terminate()
+            terminate(rank0)
             try:
                 rank0.wait(timeout=CHILD_STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 pass
         for proc in self.children.values():
             if proc.poll() is None:
-                proc.terminate()
+                terminate(proc)
         deadline = time.monotonic() + CHILD_STOP_TIMEOUT_S
         for proc in self.children.values():
             try:
@@ -255,6 +255,16 @@ class Launcher:
         self.ready.close()
         self.ctx.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGCONT (as systemd does): a stopped child (SIGSTOP, a
+    debugger's) takes the SIGTERM now, not after the SIGKILL wait."""
+    proc.terminate()
+    try:
+        proc.send_signal(signal.SIGCONT)
+    except ProcessLookupError:
+        pass
 
 
 def free_port() -> int:
