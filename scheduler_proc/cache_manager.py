@@ -337,40 +337,6 @@ class CacheManager:
 
     # ---- accounts ------------------------------------------------------------------------
 
-    def check_invariant(self) -> str | None:
-        """free + evictable + protected + requests' own tails == pool size, and
-        the tree's own counts agree with its nodes. None when it holds."""
-        if self.tree is not None:
-            error = self.tree.check()
-            if error:
-                return f"radix tree: {error}"
-        evictable, protected = (self.tree.evictable_size, self.tree.protected_size) if self.tree else (0, 0)
-        resident = list(self.resident.values())
-        own = sum(self.own_slots(r) for r in resident)
-        free = self.allocator.available()
-        if free + evictable + protected + own != self.size:
-            return (f"KV slots do not add up: free {free} + evictable {evictable} + protected "
-                    f"{protected} + requests' own {own} != pool {self.size}")
-        if not resident and protected:
-            return f"{protected} slots stay locked in the tree with no request resident"
-        for r in resident:
-            if not self._fills_own_pages_in_order(r):
-                return f"request {r.rid}'s own slots are not pages filled in order from a page boundary"
-        rows = self.req_to_token_pool
-        if rows.available() + len(resident) != rows.num_rows:
-            return (f"req_to_token rows do not add up: free {rows.available()} + resident "
-                    f"{len(resident)} != {rows.num_rows}")
-        return None
-
-    def _fills_own_pages_in_order(self, req: Req) -> bool:
-        P = self.page_size
-        own = self.table[req.req_pool_idx, req.cached_prefix_len:req.kv_len].long()
-        if req.cached_prefix_len % P or not bool(((own[::P] - 1) % P == 0).all()):
-            return False
-        inner = torch.arange(own.numel())
-        inner = inner[inner % P != 0]  # positions inside a page follow their predecessor
-        return bool((own[inner] == own[inner - 1] + 1).all())
-
     def own_slots(self, req: Req) -> int:
         """Slots of the pages `req` holds itself (from cached_prefix_len, a page boundary)."""
         return self.pages_for(req.kv_len) - req.cached_prefix_len

@@ -15,6 +15,7 @@ from common.messages import (AbortKind, AbortReq, FinishAbort, FinishMatchedStr,
 from common.server_args import ServerArgs
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.decode_manager import DecodeManager
+from scheduler_proc.kv_invariant import check_kv_invariant
 from scheduler_proc.model_client import LocalModel, ModelClient, as_model_client
 from scheduler_proc.new_token_ratio import NewTokenRatio
 from scheduler_proc.output_processor import LaunchedStep, OutputProcessor
@@ -264,7 +265,7 @@ class Scheduler:
     def check_invariant(self) -> None:
         """Every KV slot and table row accounted for exactly once (checked when
         the server goes idle; an error is logged and shown in /get_server_info)."""
-        error = self.cache.check_invariant()
+        error = check_kv_invariant(self.cache)
         if error is not None and error != self.invariant_error:
             logger.error("KV cache accounts are off: %s", error)
         self.invariant_error = error

@@ -12,6 +12,7 @@ import pytest
 from common.messages import AbortReq, BatchTokenOut, FlushCacheQuery, SamplingParams, StateQuery, TokenizedGenerateReq
 from common.server_args import ServerArgs
 from scheduler_proc.create import create_scheduler
+from scheduler_proc.kv_invariant import check_kv_invariant
 from tests.scheduler.fake_model import FakeModel, fake_model_info
 from tests.scheduler.test_scheduler import MODES, assert_no_leak
 from tokenizer_proc.finish_json import finish_json
@@ -36,7 +37,7 @@ class CacheHarness:
 
     def step(self) -> object:
         batch = self.sched.step()
-        assert self.sched.cache.check_invariant() is None, self.sched.cache.check_invariant()
+        assert check_kv_invariant(self.sched.cache) is None, check_kv_invariant(self.sched.cache)
         return batch
 
     def run_until_idle(self, max_steps: int = 5000) -> None:
@@ -387,11 +388,11 @@ def test_the_page_copied_from_stays_locked_until_the_copy_is_sent_then_becomes_e
     assert match.length == 5 and match.copy_node is not None
     h.sched.cache.admit(req, match)
     assert tree.protected_size == 16  # the source page: eviction cannot take it now
-    assert h.sched.cache.check_invariant() is None
+    assert check_kv_invariant(h.sched.cache) is None
     src, dst = h.sched.cache.take_kv_copies([req])
     assert len(src) == len(dst) == 5 and tree.protected_size == 0
     h.sched.cache.release(req, cache=False)
-    assert h.sched.cache.check_invariant() is None
+    assert check_kv_invariant(h.sched.cache) is None
 
 
 def test_a_new_turn_supersedes_the_partial_page_it_copied_from():

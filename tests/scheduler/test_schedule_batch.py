@@ -3,6 +3,7 @@ import torch
 
 from common.messages import AbortKind, SamplingParams
 from scheduler_proc.cache_manager import CacheManager
+from scheduler_proc.kv_invariant import check_kv_invariant
 from scheduler_proc.memory import PageAllocator
 from scheduler_proc.req import Req
 from scheduler_proc.schedule_batch import ROW_FIELDS, ScheduleBatch
@@ -168,7 +169,7 @@ def test_with_pages_each_request_fills_its_own_pages_in_order():
     row = cache.table[c.req_pool_idx, :10]
     assert (row[:4] - row[0]).tolist() == [0, 1, 2, 3] and (row[4:8] - row[4]).tolist() == [0, 1, 2, 3]
     assert row[9] == row[8] + 1 and cache.allocator.available() == 64 - 12 - 12
-    assert cache.check_invariant() is None
+    assert check_kv_invariant(cache) is None
     cache.release(c, cache=False)
     assert cache.allocator.available() == 64 - 12
 
@@ -184,7 +185,7 @@ def test_with_pages_a_running_request_caches_whole_pages_and_a_finished_one_its_
     again = make_req("b", 10)
     match = cache.match(again)  # all but the last token: 8 shared, 1 row to copy
     assert match.length == 9 and match.slots.numel() == 8 and match.copy_slots.numel() == 1
-    assert cache.check_invariant() is None
+    assert check_kv_invariant(cache) is None
 
 
 def test_the_cache_manager_advances_lengths_and_a_refused_allocation_changes_nothing():
@@ -201,7 +202,7 @@ def test_the_cache_manager_advances_lengths_and_a_refused_allocation_changes_not
     assert cache.alloc_extend([a, b], [1, 4]) is not None and (a.kv_len, b.kv_len) == (3, 4)
     assert cache.alloc_decode([a]) is not None and a.kv_len == 4  # the rest of its page
     assert cache.alloc_decode([a, b]) is None  # both pages full, none free
-    assert (a.kv_len, b.kv_len) == (4, 4) and cache.check_invariant() is None
+    assert (a.kv_len, b.kv_len) == (4, 4) and check_kv_invariant(cache) is None
     cache.release(a, cache=False)
     assert a.kv_len == 0 and cache.allocator.available() == 4
 

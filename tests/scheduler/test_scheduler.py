@@ -7,6 +7,7 @@ import pytest
 from common.messages import AbortReq, BatchTokenOut, SamplingParams, StopMatchedReq, TokenizedGenerateReq
 from common.server_args import ServerArgs
 from scheduler_proc.create import create_scheduler
+from scheduler_proc.kv_invariant import check_kv_invariant
 from scheduler_proc.queries import scheduler_state
 from scheduler_proc.scheduler import Scheduler
 from tests.scheduler.fake_model import EOS, FakeModel, fake_model_info, next_token
@@ -65,7 +66,7 @@ def assert_no_leak(sched: Scheduler) -> None:
     """Nothing held: the accounts add up, no request is resident, every slot is
     free or cached and evictable; flushing the cache then frees every slot."""
     cache = sched.cache
-    assert cache.check_invariant() is None, cache.check_invariant()
+    assert check_kv_invariant(cache) is None, check_kv_invariant(cache)
     assert not cache.resident
     assert cache.available() == cache.size
     assert cache.req_to_token_pool.available() == cache.req_to_token_pool.num_rows
