@@ -13,12 +13,15 @@ model_proc.native` builds them ahead of time (scripts/install.sh does).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import shutil
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -60,6 +63,34 @@ def build_dir(name: str = "attention") -> str:
     return path
 
 
+def _source_copy(name: str, directory: str) -> str:
+    """The source, copied into its build directory (whose name holds its hash):
+    ninja's build file names the source's path, so building from each
+    checkout's own file would rebuild whenever another checkout used the cache."""
+    path = os.path.join(directory, f"{name}.cpp")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}"
+        shutil.copyfile(source(name), tmp)
+        os.replace(tmp, path)  # atomic: a concurrent build sees the whole file or none
+    return path
+
+
+@contextlib.contextmanager
+def _build_lock(directory: str) -> Iterator[None]:
+    """One builder of a directory at a time, by a lock the kernel drops when
+    its holder dies. torch's own lock is a file that a killed build leaves
+    behind (a server stopped during its first start), and every later load
+    then waits for it forever; under ours, such a file is stale and removed."""
+    fd = os.open(os.path.join(directory, "build.flock"), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, "lock"))  # torch.utils.file_baton's
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def load(verbose: bool = False, name: str = "attention") -> ModuleType | None:
     """The compiled module `name`, built if needed; None (and one log line) if it cannot be."""
     if name in _modules or name in _failures:
@@ -70,9 +101,11 @@ def load(verbose: bool = False, name: str = "attention") -> ModuleType | None:
     else:
         try:
             from torch.utils.cpp_extension import load as cpp_load
-            _modules[name] = cpp_load(name=f"batchserve_native_{name}", sources=[source(name)],
-                                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                                      build_directory=build_dir(name), verbose=verbose)
+            directory = build_dir(name)
+            with _build_lock(directory):
+                _modules[name] = cpp_load(name=f"batchserve_native_{name}", sources=[_source_copy(name, directory)],
+                                          extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                                          build_directory=directory, verbose=verbose)
         except Exception as e:  # any build or import failure: keep the torch path
             _failures[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
     if name in _failures:

@@ -4,6 +4,9 @@ backend, through the backend interface, and the tiny model end to end."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +19,8 @@ from model_proc.attention.native import MixedAttnMetadata, NativeAttnBackend
 from model_proc.attention.torch_backend import TorchAttnBackend
 from model_proc.kv_cache import KVPool, ReqToTokenTable
 from tests.helpers import RunnerDriver, step_inputs
+
+REPO = Path(__file__).resolve().parents[2]
 
 KV_HEADS, POOL = 2, 2600
 LENS = [1, 7, 96, 300, 2048]
@@ -238,3 +243,16 @@ def test_mixed_step_decodes_its_one_token_rows_with_the_op(dtype: torch.dtype, e
     for s, p in zip(seq_lens, prefix_lens):
         assert rel_err(out[q0:q0 + s - p], expected[q0:q0 + s - p]) < TOL[dtype], f"prefix {p}, {s - p} new"
         q0 += s - p
+
+
+@needs_op
+def test_a_build_killed_midway_does_not_hang_the_next_load() -> None:
+    """A build killed while it held torch's lock file (a server stopped during
+    its first start) left the file behind, and every later start waited for
+    it forever. The op is already built here: the load must just return it."""
+    lock = Path(native.build_dir("attention")) / "lock"
+    lock.touch()
+    code = "from model_proc import native; assert native.load() is not None, native.failure()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not lock.exists()
