@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from tokenizer_proc.errors import BadRequestError
+from tokenizer_proc.request_output import RequestOutput
 from tokenizer_proc.request_spec import RequestSpec
 from tokenizer_proc.tokenizer import Tokenizer
 
@@ -43,6 +44,20 @@ def check_logprob_volume(specs: list[RequestSpec], bound: int) -> None:
             f"max new tokens) x (1 + top logprobs), over {len(specs)} output(s)), more than this server's "
             f"bound of {bound} (--max-logprob-entries): ask for fewer top logprobs, a later "
             "logprob_start_len, fewer tokens or fewer samples")
+
+
+def too_large_for_the_loop(entries: int) -> bool:
+    """Logprob entries enough to build and encode off the event loop."""
+    return entries > LARGE_ANSWER_ENTRIES
+
+
+def large_answer(outputs: list[RequestOutput]) -> bool:
+    entries = 0
+    for out in outputs:
+        if out.spec.req.return_logprob:
+            positions = len(out.ids) + len(out.state.input_token_logprobs)
+            entries += positions * (1 + out.spec.req.top_logprobs_num)
+    return too_large_for_the_loop(entries)
 
 
 def encoded_list(items: Iterable[Any]) -> msgspec.Raw:

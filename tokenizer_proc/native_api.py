@@ -20,7 +20,7 @@ from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, SERV
 from tokenizer_proc.errors import json_response
 from tokenizer_proc.generation import Generation, worker_pool
 from tokenizer_proc.grammar import check_grammars
-from tokenizer_proc.logprobs import (LARGE_ANSWER_ENTRIES, TokenTexts, native_ids_logprobs, native_token_logprobs,
+from tokenizer_proc.logprobs import (TokenTexts, large_answer, native_ids_logprobs, native_token_logprobs,
                                      native_top_logprobs)
 from tokenizer_proc.middlewares import read_body
 from tokenizer_proc.protocol import GenerateInput, check_generate_request
@@ -76,16 +76,6 @@ async def _events(gen: Generation, inp: GenerateInput, texts: TokenTexts | None,
         for k in [0] if not inp.batched else changed:
             ev = await event(k)
             yield ev if not inp.batched else {**ev, "index": k}
-
-
-def large_answer(outputs: list[RequestOutput]) -> bool:
-    """Logprob entries enough to build and encode off the event loop."""
-    entries = 0
-    for out in outputs:
-        if out.spec.req.return_logprob:
-            positions = len(out.ids) + len(out.state.input_token_logprobs)
-            entries += positions * (1 + out.spec.req.top_logprobs_num)
-    return entries > LARGE_ANSWER_ENTRIES
 
 
 def _encode_answer(gen: Generation, inp: GenerateInput, texts: TokenTexts | None) -> bytes:

@@ -9,19 +9,22 @@ event in the stream after them.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from common.messages import FinishAbort
 from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, SERVER_ARGS, TOKENIZER, TOKENIZER_POOL
 from tokenizer_proc.errors import json_response
 from tokenizer_proc.finish_json import abort_error, matched
-from tokenizer_proc.generation import Generation
+from tokenizer_proc.generation import Generation, worker_pool
 from tokenizer_proc.grammar import check_grammars
-from tokenizer_proc.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from tokenizer_proc.logprobs import (TokenTexts, chat_logprobs, completion_logprobs, encoded_list, large_answer,
+                                     too_large_for_the_loop)
 from tokenizer_proc.middlewares import read_body
 from tokenizer_proc.openai_protocol import OpenAIInput, check_chat_request, check_completion_request
 from tokenizer_proc.request_output import RequestOutput
@@ -79,7 +82,11 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
             await gen.admitted()
             return await stream_events(request, shaper.chunks(gen), inp.request_id)
         await gen.wait()
-        return json_response(shaper.response(gen.outputs))
+        if not large_answer(gen.outputs):
+            return json_response(shaper.response(gen.outputs))
+        body = await asyncio.get_running_loop().run_in_executor(
+            worker_pool(), lambda: msgspec.json.encode(shaper.encoded(shaper.response, gen.outputs)))
+        return web.Response(body=body, content_type="application/json")
     finally:
         gen.abort()  # a no-op unless the client went away or something failed
 
@@ -129,7 +136,23 @@ class Shaper:
             chunk["usage"] = usage  # null on every chunk but the last, as OpenAI does
         return chunk
 
+    def encoded(self, build: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+        """`build(*args)` (a response or a chunk) with its choices' logprob lists
+        encoded a chunk at a time: on a worker thread the GIL is let go between
+        chunks, where encoding the whole answer at once would hold it."""
+        obj = build(*args)
+        for choice in obj["choices"]:
+            if choice.get("logprobs"):
+                choice["logprobs"] = {key: encoded_list(v) if isinstance(v, list) else v
+                                      for key, v in choice["logprobs"].items()}
+        return obj
+
+    def chunk_entries(self, k: int, lp_start: int, lp_end: int) -> int:
+        """Logprob entries a chunk of choice k carries."""
+        return (lp_end - lp_start) * (1 + self.inp.top_logprobs) if self.inp.logprobs else 0
+
     async def chunks(self, gen: Generation) -> AsyncIterator[dict[str, Any]]:
+        loop = asyncio.get_running_loop()
         n = len(gen.outputs)
         sent_text, sent_lp = [0] * n, [0] * n
         for first in self.opening_chunks(n):
@@ -142,10 +165,18 @@ class Shaper:
                 reason = finish_reason(out) if out.done else None  # raises for an abort
                 if not delta and lp_end == sent_lp[k] and reason is None:
                     continue  # text held back (a split character or a possible stop string)
-                yield self.chunk([self.delta_choice(k, out, delta, sent_lp[k], lp_end, reason)])
+                args = (k, out, delta, sent_lp[k], lp_end, reason)
+                if not too_large_for_the_loop(self.chunk_entries(k, sent_lp[k], lp_end)):
+                    yield self.delta_chunk(*args)
+                else:  # built off the event loop (an echoed long prompt's logprobs)
+                    yield await loop.run_in_executor(worker_pool(), self.encoded, self.delta_chunk, *args)
                 sent_text[k], sent_lp[k] = out.text_len, lp_end
         if self.inp.include_usage:
             yield self.chunk([], usage=self.usage(gen.outputs))
+
+    def delta_chunk(self, k: int, out: RequestOutput, delta: str, lp_start: int, lp_end: int,
+                    reason: str | None) -> dict[str, Any]:
+        return self.chunk([self.delta_choice(k, out, delta, lp_start, lp_end, reason)])
 
     # route-specific
     def opening_chunks(self, n: int) -> list[dict[str, Any]]:
@@ -180,6 +211,12 @@ class CompletionShaper(Shaper):
         if lp["tokens"]:
             self.offsets[k] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         return lp
+
+    def chunk_entries(self, k: int, lp_start: int, lp_end: int) -> int:
+        entries = super().chunk_entries(k, lp_start, lp_end)
+        if self.inp.echo and self.inp.logprobs and k not in self.echoed:  # the prompt's logprobs come first
+            entries += len(self.inp.specs[k].req.input_ids) * (1 + self.inp.top_logprobs)
+        return entries
 
     def choice(self, k: int, out: RequestOutput) -> dict[str, Any]:
         if self.inp.echo:

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from tests.tokenizer_proc.server_harness import Server, post, sse_events
-from tokenizer_proc import native_api
+from tokenizer_proc import logprobs, native_api, openai_api
 from tokenizer_proc.logprobs import ENCODE_CHUNK, encoded_list
 from tokenizer_proc.tokenizer import load_tokenizer
 
@@ -97,7 +97,7 @@ def test_a_large_answer_is_built_on_a_worker_thread_and_is_the_same(
     large = json.loads(raw)
     # the same answer as the loop builds for a small one: compare with a 2-sample run's first outputs
     threads.clear()
-    monkeypatch.setattr(native_api, "LARGE_ANSWER_ENTRIES", 10**9)
+    monkeypatch.setattr(logprobs, "LARGE_ANSWER_ENTRIES", 10**9)
     status, _, raw = post(bounded, body)
     assert status == 200 and threads and not any(t.startswith("front-worker") for t in threads)
     small = json.loads(raw)
@@ -133,6 +133,64 @@ def test_a_large_streamed_answer_is_built_on_a_worker_thread(bounded: Server,
     assert all(e["meta_info"]["input_top_logprobs"] == events[-1]["meta_info"]["input_top_logprobs"]
                for e in events)  # every event repeats them (SGLang's), built once
     assert len(builds) == 1, len(builds)
+
+
+def _recording_threads(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[str]:
+    """Records the thread each call of module.name runs on."""
+    threads: list[str] = []
+    fn = getattr(module, name)
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, recording)
+    return threads
+
+
+def _without_ids(answer: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in answer.items() if k not in ("id", "created")}
+
+
+@pytest.mark.parametrize("route, body, layout", [
+    # (200 + 4) x (1 + 20) x 4 = 17,136 entries: past LARGE_ANSWER_ENTRIES
+    ("/v1/completions", {"max_tokens": 4, "echo": True, "logprobs": 20, "n": 4}, "completion_logprobs"),
+    # 50 x (1 + 20) x 16 = 16,800
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50,
+                              "logprobs": True, "top_logprobs": 20, "n": 16}, "chat_logprobs"),
+])
+def test_a_large_openai_answer_is_built_on_a_worker_thread_and_is_the_same(
+        bounded: Server, monkeypatch: pytest.MonkeyPatch, route: str, body: dict[str, Any], layout: str) -> None:
+    threads = _recording_threads(monkeypatch, openai_api, layout)
+    if "messages" not in body:
+        body = {"prompt": prompt_ids(bounded), **body}
+    status, _, raw = post(bounded, body, route)
+    assert status == 200, raw[:300]
+    assert threads and all(t.startswith("front-worker") for t in threads), threads
+    large = json.loads(raw)
+    threads.clear()
+    monkeypatch.setattr(logprobs, "LARGE_ANSWER_ENTRIES", 10**9)
+    status, _, raw = post(bounded, body, route)
+    assert status == 200 and threads and not any(t.startswith("front-worker") for t in threads)
+    assert _without_ids(large) == _without_ids(json.loads(raw))
+
+
+def test_a_large_openai_stream_chunk_is_built_on_a_worker_thread_and_is_the_same(
+        bounded: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an echoed prompt's logprobs come in the choice's first chunk: 200 x 21 = 4,200 entries
+    body = {"prompt": prompt_ids(bounded), "max_tokens": 6, "echo": True, "logprobs": 20, "n": 2, "stream": True}
+    threads = _recording_threads(monkeypatch, openai_api, "completion_logprobs")
+    monkeypatch.setattr(logprobs, "LARGE_ANSWER_ENTRIES", 4_000)  # the echo chunks only
+    status, _, raw = post(bounded, body, "/v1/completions")
+    assert status == 200, raw[:300]
+    assert any(t.startswith("front-worker") for t in threads), threads
+    assert not all(t.startswith("front-worker") for t in threads), threads  # later chunks: on the loop
+    off_loop = [_without_ids(c) for c in sse_events(raw)]
+    threads.clear()
+    monkeypatch.setattr(logprobs, "LARGE_ANSWER_ENTRIES", 10**9)
+    status, _, raw = post(bounded, body, "/v1/completions")
+    assert status == 200 and threads and not any(t.startswith("front-worker") for t in threads)
+    assert off_loop == [_without_ids(c) for c in sse_events(raw)]
 
 
 @pytest.mark.parametrize("size", [0, 1, ENCODE_CHUNK - 1, ENCODE_CHUNK, ENCODE_CHUNK + 1, 3 * ENCODE_CHUNK + 7])
