@@ -38,17 +38,8 @@ import torch
 from torch import nn
 
 from model_proc.attention.base import AttentionBackend, AttentionMetadata
-from model_proc.layers import (
-    HooklessModule,
-    Linear,
-    ParallelLMHead,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    apply_rope_,
-    fold_norm_weight,
-    head_rms_norm_,
-    move_packed_onto_huge_pages,
-)
+from model_proc.layers import (HooklessModule, Linear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
+                               apply_rope_, fold_norm_weight, head_rms_norm_, move_packed_onto_huge_pages)
 from model_proc.model_config import SUPPORTED_MODEL_TYPES, ModelConfig  # noqa: F401 (re-exported)
 from model_proc.parallel import SINGLE, TensorParallel, shard_heads, shard_range
 from model_proc.row_blocks import pad_rows, padded_rows

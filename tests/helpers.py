@@ -33,16 +33,8 @@ def make_tiny_llama(folder: str, *, model_type: str = "llama", seed: int = 0,
     logits spread out and greedy choices are far from ties: a float32
     reimplementation then matches token for token.
     """
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        Phi3Config,
-        Phi3ForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+    from transformers import (LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                "qwen3": (Qwen3Config, Qwen3ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}
