@@ -95,10 +95,13 @@ def longrope(original_max: int) -> dict:
                 original_max_position_embeddings=original_max)
 
 
-@pytest.mark.parametrize("overrides", [longrope(128), dict(num_key_value_heads=4, tie_word_embeddings=True)],
-                         ids=["longrope_within_original_max", "mha_tied"])
-def test_phi3_variants_equal_transformers(overrides, tmp_path, make_runner):
-    folder = make_tiny_llama(str(tmp_path), model_type="phi3", seed=6, **overrides)
+@pytest.mark.parametrize("model_type, overrides", [
+    ("phi3", longrope(128)),
+    ("phi3", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    ("qwen3", dict(attention_bias=True, head_dim=16)),
+], ids=["phi3_longrope_within_original_max", "phi3_mha_tied", "qwen3_attention_bias"])
+def test_qwen3_and_phi3_variants_equal_transformers(model_type, overrides, tmp_path, make_runner):
+    folder = make_tiny_llama(str(tmp_path), model_type=model_type, seed=6, **overrides)
     long_prompt = [(i * 37) % 500 + 3 for i in range(90)]  # positions stay below 128
     run_extend_then_decode(make_runner(folder), load_hf(folder), [long_prompt, PROMPTS[1]], steps=2)
 
