@@ -305,6 +305,17 @@ def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
+def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """RMSNorm of each head in place, then its weight (Qwen3's q/k norms).
+
+    x [T, heads, D] (a view into the fused qkv output), weight [heads, D]:
+    each head's row of its norm's weight. torch's rms_norm computes in
+    float32 and rounds to x's dtype, then the weight multiplies, as
+    transformers' RMSNorm does; no weight to fold here, since rotary follows.
+    """
+    x.copy_(F.rms_norm(x, (x.shape[-1],), eps=eps).mul_(weight))
+
+
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotary embedding in place, rotate-half layout.
 

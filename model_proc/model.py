@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) in plain torch.
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) in plain torch.
 
 Everything runs on a flat token axis `[num_tokens, hidden]`: the rows of a
 batch are concatenated, so every op but attention is one per-token matmul
@@ -15,6 +15,12 @@ native attention backend, one rank) runs its decoder layers as one native
 call (model_proc/native_decoder.py): the same ops, without Python between
 them; this module knows no particular attention backend.
 
+The families differ in a few config fields (model_config.py, which also
+refuses what none of them runs): Qwen2's q/k/v bias; Qwen3's RMSNorm over
+each q and k head before rotary (`Attention.qk_norm`); Phi-3's checkpoint
+tensors holding q/k/v and gate/up already stacked (split by rank at load)
+and its longrope scaling (`RotaryEmbedding`).
+
 Tensor parallelism (`--tp-size`, model_proc/parallel.py): each rank builds
 this model with its own share: its query and KV heads (the KV pool holds only
 those), its slice of the MLP, its rows of the embedding and the LM head.
@@ -26,7 +32,6 @@ and the LM head one all-gather: two all-reduces per layer in all.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -34,68 +39,11 @@ from torch import nn
 
 from model_proc.attention.base import AttentionBackend, AttentionMetadata
 from model_proc.layers import (HooklessModule, Linear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
-                               apply_rope_, fold_norm_weight, move_packed_onto_huge_pages)
+                               apply_rope_, fold_norm_weight, head_rms_norm_, move_packed_onto_huge_pages)
+from model_proc.model_config import SUPPORTED_MODEL_TYPES, ModelConfig  # noqa: F401 (re-exported)
 from model_proc.parallel import SINGLE, TensorParallel, shard_heads, shard_range
 from model_proc.row_blocks import pad_rows, padded_rows
 from model_proc.weights import CheckpointReader
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-@dataclass
-class ModelConfig:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    rope_theta: float
-    rope_scaling: dict[str, Any]  # rope_type plus its parameters; {"rope_type": "default"} if none
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        model_type = d.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported "
-                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-        heads = d["num_attention_heads"]
-        # transformers 5 writes `rope_parameters` (theta included); older
-        # configs have a top-level `rope_theta` and an optional `rope_scaling`.
-        rope = dict(d.get("rope_scaling") or {})
-        rope.update(d.get("rope_parameters") or {})
-        rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
-        theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
-        # Qwen2 always has a q/k/v bias; Llama has one (on o_proj too) only
-        # when `attention_bias` says so.
-        attention_bias = bool(d.get("attention_bias", False))
-        return cls(
-            model_type=model_type,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            rope_theta=float(theta),
-            rope_scaling=rope,
-        )
-
 
 # ---- rotary embedding ----------------------------------------------------------------
 
@@ -111,7 +59,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return llama3_scale(inv_freq, scaling)
-    raise ValueError(f"rope_type {kind!r} is not supported (default, linear, llama3)")
+    if kind == "longrope":  # the short factors; RotaryEmbedding switches to the long ones
+        return longrope_inv_freq(head_dim, theta, scaling["short_factor"])
+    raise ValueError(f"rope_type {kind!r} is not supported (default, linear, llama3, longrope)")
+
+
+def longrope_inv_freq(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    """LongRoPE: each frequency slowed by its own factor (as transformers rounds it)."""
+    if len(factors) != head_dim // 2:
+        raise ValueError(f"longrope: {len(factors)} factors for a head of {head_dim} (want {head_dim // 2})")
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponent)
 
 
 def llama3_scale(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -132,14 +90,31 @@ class RotaryEmbedding(nn.Module):
 
     Only half of each is kept: in the rotate-half layout both halves of the
     table are the same frequencies (see `apply_rope_`).
+
+    longrope (Phi-3 128k): positions below original_max_position_embeddings
+    take the short factors, those from it on the long ones, and both tables
+    are scaled by the attention factor. transformers instead switches a whole
+    sequence to the long factors once it is longer than that, which would
+    re-rotate keys already in the KV pool: the same up to that length only
+    (docs/architecture.md, the model forward).
     """
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_pos, head_dim / 2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        scaling = cfg.rope_scaling
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim / 2]
+        if scaling["rope_type"] == "longrope":
+            orig = scaling["original_max_position_embeddings"]
+            long_inv = longrope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling["long_factor"])
+            freqs[orig:] = torch.outer(positions[orig:], long_inv)
+            scale = scaling["attention_factor"]
+            cos, sin = freqs.cos() * scale, freqs.sin() * scale
+        else:
+            cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # [T, 1, head_dim / 2]: broadcast over heads
@@ -166,6 +141,10 @@ class Attention(HooklessModule):
         # (input_layernorm's weight is folded in)
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=cfg.o_bias, tp=tp)
+        # Qwen3: q_norm's weight on every q head, then k_norm's on every k head
+        # (the same weight for each head, so any tensor-parallel share of them)
+        self.qk_norm = nn.Parameter(torch.empty(self.num_heads + self.num_kv_heads, cfg.head_dim),
+                                    requires_grad=False) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x + attention(rms_norm(x)) (the norm fused into the q/k/v matmul)."""
@@ -174,7 +153,10 @@ class Attention(HooklessModule):
         # q and k heads are adjacent in each row: rotate them in one pass, in
         # place. (narrow and split, not slicing: torch's indexing costs several
         # dispatches a slice, ~30 us a layer at batch 1)
-        apply_rope_(heads.narrow(1, 0, self.num_heads + self.num_kv_heads), cos, sin)
+        qk = heads.narrow(1, 0, self.num_heads + self.num_kv_heads)
+        if self.qk_norm is not None:  # before rotary, as transformers' Qwen3
+            head_rms_norm_(qk, self.qk_norm, self.eps)
+        apply_rope_(qk, cos, sin)
         q, k, v = heads.split(self.head_counts, dim=1)
         o = self.backend.forward(q, k, v, self.layer_id, meta)
         return self.o_proj(o.reshape(n, self.q_size), add=x)
@@ -295,16 +277,25 @@ class LlamaForCausalLM(nn.Module):
         def rows(name: str, start: int, end: int) -> torch.Tensor:
             return ckpt.read(name, 0, start, end)
 
+        def parts(names: list[str], fused: str, sizes: list[int], spans: list[tuple[int, int]]) -> torch.Tensor:
+            """This rank's rows of each part, stacked: from the parts' own
+            tensors, or (Phi-3) from the one tensor holding them end to end."""
+            if not cfg.fused_checkpoint:
+                return torch.cat([rows(name, a, b) for name, (a, b) in zip(names, spans)])
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            return torch.cat([rows(fused, off + a, off + b) for off, (a, b) in zip(offsets, spans)])
+
         def qkv(layer: Attention, p: str, kind: str) -> torch.Tensor:
             h = layer.heads
-            return torch.cat([
-                rows(f"{p}q_proj.{kind}", h.q_start * hd, (h.q_start + h.num_heads) * hd),
-                rows(f"{p}k_proj.{kind}", h.kv_start * hd, (h.kv_start + h.num_kv_heads) * hd),
-                rows(f"{p}v_proj.{kind}", h.kv_start * hd, (h.kv_start + h.num_kv_heads) * hd)])
+            q = (h.q_start * hd, (h.q_start + h.num_heads) * hd)
+            kv = (h.kv_start * hd, (h.kv_start + h.num_kv_heads) * hd)
+            return parts([f"{p}q_proj.{kind}", f"{p}k_proj.{kind}", f"{p}v_proj.{kind}"], f"{p}qkv_proj.{kind}",
+                         [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd], [q, kv, kv])
 
         def gate_up(mlp: MLP, p: str, kind: str) -> torch.Tensor:
-            a, b = mlp.inter_start, mlp.inter_start + mlp.inter
-            return torch.cat([rows(f"{p}gate_proj.{kind}", a, b), rows(f"{p}up_proj.{kind}", a, b)])
+            span = (mlp.inter_start, mlp.inter_start + mlp.inter)
+            return parts([f"{p}gate_proj.{kind}", f"{p}up_proj.{kind}"], f"{p}gate_up_proj.{kind}",
+                         [cfg.intermediate_size] * 2, [span, span])
 
         emb = self.embed_tokens
         put(emb.weight, rows("model.embed_tokens.weight", emb.start, emb.end), pad=True)
@@ -320,6 +311,9 @@ class LlamaForCausalLM(nn.Module):
                                                        ckpt.read(f"{p}input_layernorm.weight")))
             if attn.qkv_proj.bias is not None:
                 put(attn.qkv_proj.bias, qkv(attn, a, "bias"))
+            if attn.qk_norm is not None:
+                q_norm, k_norm = ckpt.read(f"{a}q_norm.weight"), ckpt.read(f"{a}k_norm.weight")
+                put(attn.qk_norm, torch.cat([q_norm.expand(attn.num_heads, hd), k_norm.expand(attn.num_kv_heads, hd)]))
             q0, q1 = attn.heads.q_start * hd, (attn.heads.q_start + attn.heads.num_heads) * hd
             put(attn.o_proj.weight, ckpt.read(f"{a}o_proj.weight", 1, q0, q1))
             if attn.o_proj.bias is not None:  # rank 0 only: added once, before the all-reduce

@@ -62,10 +62,13 @@ class NativeDecoder:
 
 def build_native_decoder(model: LlamaForCausalLM) -> NativeDecoder | None:
     """The model's native decoder where every piece of a step is native here
-    (bfloat16 matmuls and rotary, the native attention op), on one rank and
-    without --deterministic (its fixed-size row blocks are Python's)."""
+    (bfloat16 matmuls and rotary, the native attention op), on one rank,
+    without --deterministic (its fixed-size row blocks are Python's), and for
+    layers made only of the ops it has (not Qwen3's q/k norms)."""
     backend = model.layers[0].self_attn.backend
     layer_linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
+    if model.cfg.qk_norm:  # Qwen3's per-head q/k norms: DecoderStack has no such step
+        return None
     if model.tp.size > 1 or model.deterministic or not isinstance(backend, NativeAttnBackend) \
             or backend.op is None or any(lin.kernel is not MatmulKernel.NATIVE for lin in layer_linears):
         return None

@@ -49,6 +49,7 @@ class ModelRunner:
         config = _read_json(os.path.join(self.model_path, "config.json"))
         cfg = self.model_config = ModelConfig.from_dict(config)
         self.context_len = sa.context_length or cfg.max_position_embeddings
+        cfg.check_context(self.context_len)  # a sliding window the context would exceed: refused
         if self.context_len > cfg.max_position_embeddings:
             logger.warning("context length %d exceeds the model's max_position_embeddings %d",
                            self.context_len, cfg.max_position_embeddings)

@@ -39,6 +39,18 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    # heads wider than hidden / heads (as Qwen3's are), tied embeddings
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_qwen3")), model_type="qwen3", seed=4,
+                           head_dim=32, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_phi3")), model_type="phi3", seed=5)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_hf(tiny_llama_dir: str) -> Any:
     return load_hf(tiny_llama_dir)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -29,7 +31,72 @@ def test_defaults_and_biases():
 
 
 def test_unsupported_architectures_and_rope_types_are_refused():
-    with pytest.raises(ValueError, match="qwen3"):
-        ModelConfig.from_dict({**BASE, "model_type": "qwen3"})
+    with pytest.raises(ValueError, match="qwen3_moe"):
+        ModelConfig.from_dict({**BASE, "model_type": "qwen3_moe"})
     with pytest.raises(ValueError, match="yarn"):
         rope_inv_freq(16, 1e4, {"rope_type": "yarn"})
+
+
+def test_qwen3_and_phi3_fields():
+    qwen3 = ModelConfig.from_dict({**BASE, "model_type": "qwen3", "head_dim": 32})
+    assert qwen3.qk_norm and qwen3.head_dim == 32 and not (qwen3.qkv_bias or qwen3.o_bias)
+    biased = ModelConfig.from_dict({**BASE, "model_type": "qwen3", "attention_bias": True})
+    assert biased.qkv_bias and biased.o_bias
+    phi3 = ModelConfig.from_dict({**BASE, "model_type": "phi3", "attention_bias": True, "rope_parameters": {
+        "rope_type": "default", "partial_rotary_factor": 1.0}})
+    assert phi3.fused_checkpoint and not (phi3.qk_norm or phi3.qkv_bias or phi3.o_bias)
+
+
+def test_longrope_parameters_resolved_as_transformers():
+    factors = [1.0] * 8
+    cfg = ModelConfig.from_dict({**BASE, "model_type": "phi3", "max_position_embeddings": 131072,
+                                 "original_max_position_embeddings": 4096, "rope_scaling": {
+                                     "type": "su", "short_factor": factors, "long_factor": factors}})
+    s = cfg.rope_scaling
+    assert s["rope_type"] == "longrope" and s["original_max_position_embeddings"] == 4096
+    assert s["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    with pytest.raises(ValueError, match="factors for a head of 16"):
+        rope_inv_freq(16, 1e4, {"rope_type": "longrope", "short_factor": [1.0] * 4})
+
+
+# a sliding window that Qwen2/Qwen3 configs carry switched off
+QWEN_WINDOW_OFF = {"sliding_window": 32768, "use_sliding_window": False, "max_window_layers": 0}
+
+
+@pytest.mark.parametrize("fields, reason", [
+    ({"model_type": "qwen2", "num_experts": 8}, "mixture-of-experts"),
+    ({"num_local_experts": 4}, "mixture-of-experts"),
+    ({"model_type": "qwen2", "vision_config": {"depth": 2}}, "vision_config"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ({"model_type": "phi3", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
+     "partial_rotary_factor 0.75"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8}}, "long_factor"),
+], ids=["moe", "mixtral_experts", "vision", "phi3_partial_rotary", "phi3_partial_rotary_in_rope",
+        "activation", "longrope_without_long_factor"])
+def test_configs_the_model_does_not_run_are_refused_in_one_line(fields, reason):
+    with pytest.raises(ValueError, match=reason) as e:
+        ModelConfig.from_dict({**BASE, **fields})
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("fields, window", [
+    ({"model_type": "qwen2", **QWEN_WINDOW_OFF}, None),
+    ({"model_type": "qwen3", **QWEN_WINDOW_OFF}, None),
+    ({"model_type": "qwen3", **QWEN_WINDOW_OFF, "use_sliding_window": True, "max_window_layers": 2}, None),
+    ({"model_type": "qwen3", **QWEN_WINDOW_OFF, "use_sliding_window": True}, 32768),
+    ({"model_type": "qwen2", "sliding_window": 512, "use_sliding_window": True,
+      "layer_types": ["full_attention", "sliding_attention"]}, 512),
+    ({"model_type": "mistral", "sliding_window": 4096}, 4096),
+    ({"model_type": "mistral", "sliding_window": None}, None),
+    ({"model_type": "phi3", "sliding_window": 2047}, 2047),
+    ({"model_type": "llama", "sliding_window": 100}, None),
+], ids=["qwen2_off", "qwen3_off", "qwen3_on_no_layer", "qwen3_on", "qwen2_layer_types", "mistral_v01",
+        "mistral_none", "phi3_mini_4k", "llama_ignores"])
+def test_sliding_window_refused_only_where_the_context_exceeds_it(fields, window):
+    cfg = ModelConfig.from_dict({**BASE, **fields})
+    assert cfg.sliding_window == window
+    cfg.check_context(window or 1 << 20)  # within the window: full attention is exact
+    if window is not None:
+        with pytest.raises(ValueError, match=f"sliding-window attention \\({window} tokens\\)"):
+            cfg.check_context(window + 1)

@@ -31,13 +31,13 @@ def run_extend_then_decode(runner, hf, prompts: list[list[int]], steps: int = 4)
         assert_rows_match(hf, logits, seqs)
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2"])
+@pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3", "phi3"])
 def test_ragged_extend_then_decode_logits_equal_transformers(model, request, make_runner):
     folder = request.getfixturevalue(f"tiny_{model}_dir")
     run_extend_then_decode(make_runner(folder), load_hf(folder), PROMPTS)
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2"])
+@pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3", "phi3"])
 def test_extend_on_top_of_a_prefix_in_the_pool_equals_transformers(model, request, make_runner):
     folder = request.getfixturevalue(f"tiny_{model}_dir")
     runner, hf = make_runner(folder), load_hf(folder)
@@ -84,3 +84,41 @@ def test_plain_torch_matmuls_equal_transformers_too(tiny_llama_dir, tiny_llama_h
     runner = make_runner(tiny_llama_dir)
     assert all(m.packed is None for m in runner.model.modules() if isinstance(m, Linear))
     run_extend_then_decode(runner, tiny_llama_hf, PROMPTS, steps=2)
+
+
+def longrope(original_max: int) -> dict:
+    """Phi-3 128k's rope scaling, shrunk: per-frequency short and long factors
+    (head_dim 16: 8 each), the pretraining length at top level as Phi-3 writes it."""
+    return dict(rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                     short_factor=[1.0, 1.1, 1.3, 1.7, 2.0, 2.5, 3.0, 4.0],
+                                     long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 14.0, 20.0]),
+                original_max_position_embeddings=original_max)
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("phi3", longrope(128)),
+    ("phi3", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    ("qwen3", dict(attention_bias=True, head_dim=16)),
+], ids=["phi3_longrope_within_original_max", "phi3_mha_tied", "qwen3_attention_bias"])
+def test_qwen3_and_phi3_variants_equal_transformers(model_type, overrides, tmp_path, make_runner):
+    folder = make_tiny_llama(str(tmp_path), model_type=model_type, seed=6, **overrides)
+    long_prompt = [(i * 37) % 500 + 3 for i in range(90)]  # positions stay below 128
+    run_extend_then_decode(make_runner(folder), load_hf(folder), [long_prompt, PROMPTS[1]], steps=2)
+
+
+def test_longrope_positions_past_original_max_take_the_long_factors(tmp_path, make_runner):
+    """Our rule past original_max_position_embeddings (docs/architecture.md):
+    those positions' cos/sin are transformers' long-factor ones, the earlier
+    positions keep the short-factor ones; the attention factor scales both."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    folder = make_tiny_llama(str(tmp_path), model_type="phi3", seed=6, **longrope(128))
+    ours = make_runner(folder).model.rotary
+    hf_rotary = load_hf(folder).model.rotary_emb
+    assert isinstance(hf_rotary, Phi3RotaryEmbedding) and hf_rotary.attention_scaling > 1.0
+    x = torch.zeros(1, dtype=torch.float32)
+    for length in (100, 300):  # transformers: short factors for a sequence within 128, long ones past it
+        cos, sin = hf_rotary(x, torch.arange(length)[None])
+        span = slice(0, length) if length <= 128 else slice(128, length)
+        torch.testing.assert_close(ours.cos[span], cos[0, span, :8], atol=1e-6, rtol=0)
+        torch.testing.assert_close(ours.sin[span], sin[0, span, :8], atol=1e-6, rtol=0)

@@ -69,6 +69,10 @@ CASES = {
     "tp2_kv_heads_replicated": (2, {"num_key_value_heads": 1}),
     "tp3_vocab_padded": (3, {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3,
                              "intermediate_size": 192}),
+    # Phi-3: each rank's rows out of the checkpoint's fused qkv_proj and gate_up_proj
+    "tp2_phi3_fused_checkpoint": (2, {"model_type": "phi3"}),
+    # Qwen3: the q/k norms on a rank's share of the heads, its one KV head a copy
+    "tp2_qwen3_kv_heads_replicated": (2, {"model_type": "qwen3", "num_key_value_heads": 1}),
 }
 
 

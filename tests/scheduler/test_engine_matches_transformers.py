@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from common.messages import BatchTokenOut, SamplingParams, TokenizedGenerateReq
 from common.server_args import ServerArgs
@@ -159,3 +160,53 @@ def test_default_model_engine_equals_transformers_with_rows_joining_and_leaving(
     for p in partings:  # allowed, but reported
         print(p)
     assert "Paris" in tok.decode(engine.reqs["france"].output_ids)
+
+
+def staggered_arrivals(seed: int) -> dict[int, list[tuple[str, list[int], int]]]:
+    """Rows joining and leaving, two prompts longer than a 32-token prefill
+    chunk (so chunked), one arriving while others decode."""
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, 512) for _ in range(n)]
+
+    return {0: [("a", prompt(6), 10), ("b", prompt(45), 4)], 2: [("c", prompt(2), 8)],
+            5: [("d", prompt(70), 5), ("e", prompt(9), 7)]}
+
+
+@MODES
+@pytest.mark.parametrize("model", ["qwen3", "phi3"])
+def test_qwen3_and_phi3_engines_equal_transformers_with_staggered_requests(model, overlap, request):
+    """The other families through the real scheduler: Qwen3's q/k norms and
+    Phi-3's split checkpoint tensors, with chunked prefill."""
+    folder = request.getfixturevalue(f"tiny_{model}_dir")
+    arrivals = staggered_arrivals(2)
+    engine = Engine(folder, max_running_requests=3, max_total_tokens=512, chunked_prefill_size=32,
+                    disable_overlap_schedule=not overlap)
+    sizes = engine.run(arrivals)
+    assert max(sizes) == 3 and min(sizes) == 1
+    engine.assert_no_leak()
+    partings = check_against_transformers(engine, folder, arrivals)
+    assert not partings, partings
+
+
+def test_qwen3_bfloat16_on_the_native_backend_runs_the_modules_and_equals_transformers(tiny_qwen3_dir,
+                                                                                     tiny_llama_dir):
+    """The fused native decoder has no q/k-norm step: for Qwen3 it declines
+    (where it would run a Llama) and the modules' forward answers, in
+    bfloat16 up to a near-tie parting from transformers' float32."""
+    from model_proc import native
+    from model_proc.layers import native_layers_op
+
+    args = dict(dtype="bfloat16", attention_backend="native", max_running_requests=3, max_total_tokens=512,
+                chunked_prefill_size=32)
+    # where the native ops run (AMX or AVX512_BF16 brgemm); elsewhere no model gets the native decoder
+    if native.load() is not None and native_layers_op(torch.device("cpu")) is not None:
+        assert ModelRunner(ServerArgs(model_path=tiny_llama_dir, **args)).model.native_decoder is not None
+    engine = Engine(tiny_qwen3_dir, **args)
+    assert engine.runner.model.native_decoder is None
+    arrivals = staggered_arrivals(3)
+    engine.run(arrivals)
+    engine.assert_no_leak()
+    for p in check_against_transformers(engine, tiny_qwen3_dir, arrivals):  # allowed, but reported
+        print(p)
