@@ -55,26 +55,31 @@ def compile_all(arch: int, quick: bool, with_fp32_extend: bool) -> list[str]:
     for dtype in ("bf16", "fp32") if quick else ("bf16", "fp16", "fp32"):
         t, precision = "*" + dtype, "ieee" if dtype == "fp32" else "tf32"
         print(f"-- {dtype}")
-        for group, head_dim in ((4, 128),) if quick else ((4, 128), (1, 64), (7, 80)):
+        # the Gemma variant (soft-capping) once per dtype
+        for (group, head_dim), has_cap in ([((4, 128), False), ((4, 128), True)] if quick else
+                                           [((4, 128), False), ((1, 64), False), ((7, 80), False),
+                                            ((4, 128), True)]):
             d = max(16, triton.next_power_of_2(head_dim))
             compile_kernel(dec._decode_stage1_kernel, target,
                            dict(Q=t, K_Buffer=t, V_Buffer=t, kv_indptr="*i64", kv_indices="*i64",
-                                Mid_O="*fp32", Mid_Lse="*fp32", sm_scale="fp32"),
+                                Mid_O="*fp32", Mid_Lse="*fp32", sm_scale="fp32", logit_cap="fp32"),
                            dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=dec.BLOCK_N,
                                 HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=d, BLOCK_DV=d,
-                                DOT_PRECISION=precision), num_warps=4, num_stages=2)
+                                DOT_PRECISION=precision, HAS_CAP=has_cap), num_warps=4, num_stages=2)
         compile_kernel(dec._decode_stage2_kernel, target,
                        dict(Mid_O="*fp32", Mid_Lse="*fp32", O=t, kv_indptr="*i64"),
                        dict(HEAD_DIM_V=128, BLOCK_DV=128), num_warps=4)
         if dtype != "fp32" or with_fp32_extend:  # float32 extend (ieee dot) takes ~15 s
-            for head_dim in (64, 128, 256):
+            # the Gemma variant (window and soft-capping) at Gemma's head_dim 256
+            for head_dim, gemma in ((64, False), (128, False), (256, False), (256, True)):
                 block_m, block_n, warps = ext._block_sizes(head_dim)
                 compiled = compile_kernel(
                     ext._extend_attention_kernel, target,
                     dict(Q=t, K_Ext=t, V_Ext=t, O=t, K_Buffer=t, V_Buffer=t, qo_indptr="*i64",
-                         kv_indptr="*i64", kv_indices="*i64", sm_scale="fp32"),
+                         kv_indptr="*i64", kv_indices="*i64", sm_scale="fp32", logit_cap="fp32"),
                     dict(GROUP=4, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim,
-                         BLOCK_D=head_dim, BLOCK_DV=head_dim, DOT_PRECISION=precision),
+                         BLOCK_D=head_dim, BLOCK_DV=head_dim, DOT_PRECISION=precision,
+                         HAS_WINDOW=gemma, HAS_CAP=gemma),
                     num_warps=warps, num_stages=1)
                 if dtype != "fp32" and compiled.metadata.shared > MAX_SHARED:
                     problems.append(f"extend {dtype} head_dim {head_dim}: {compiled.metadata.shared} B shared")

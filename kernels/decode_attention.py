@@ -11,6 +11,9 @@ programs instead of one program walking all of it:
 
 Inputs: q [B, Hq, D]; k_buffer/v_buffer [slots, Hkv, D(v)]; row i's KV is at
 slots kv_indices[kv_indptr[i]:kv_indptr[i+1]] (at least one per row).
+`logit_cap` c > 0 replaces each scaled score s by c * tanh(s / c) (Gemma 2/3).
+A sliding window needs nothing here: the caller passes each row's last
+`window` slots only.
 """
 
 from __future__ import annotations
@@ -30,13 +33,20 @@ MIN_TOKENS_PER_SPLIT = 64  # below this a split costs more in merging than it sa
 
 
 @triton.jit
+def _soft_cap(s, cap):
+    """cap * tanh(s / cap), written with sigmoid: tl has no tanh that both the
+    interpreter and the compiler accept. Saturates to +-cap, never NaN."""
+    return cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
+
+
+@triton.jit
 def _decode_stage1_kernel(
-    Q, K_Buffer, V_Buffer, kv_indptr, kv_indices, Mid_O, Mid_Lse, sm_scale, num_kv_splits,
+    Q, K_Buffer, V_Buffer, kv_indptr, kv_indices, Mid_O, Mid_Lse, sm_scale, logit_cap, num_kv_splits,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_CAP: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,6 +79,8 @@ def _decode_stage1_kernel(
             k = tl.load(K_Buffer + slot[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
                         mask=mask_n[None, :] & mask_d[:, None], other=0.0)
             qk = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale  # [BLOCK_H, BLOCK_N]
+            if HAS_CAP:
+                qk = _soft_cap(qk, logit_cap)
             # padded head rows hold q = 0, so their scores stay finite: only
             # the token mask is needed, and no row becomes all -inf
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
@@ -151,8 +163,11 @@ def decode_scratch(batch_size: int, num_q_heads: int, head_dim_v: int, num_kv_sp
 def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                          o: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                          sm_scale: float, num_kv_splits: int,
-                         scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """o [B, Hq, Dv] = softmax(q k^T * sm_scale) v over each row's pages."""
+                         scratch: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                         logit_cap: float = 0.0) -> torch.Tensor:
+    """o [B, Hq, Dv] = softmax(cap(q k^T * sm_scale)) v over each row's pages;
+    logit_cap 0: no soft-capping."""
+    assert logit_cap >= 0.0
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, head_dim_v = k_buffer.shape[1], v_buffer.shape[2]
     assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -164,7 +179,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     assert mid_o.shape[2] >= num_kv_splits
 
     _decode_stage1_kernel[(batch, num_kv_heads, num_kv_splits)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, mid_o, mid_lse, sm_scale, num_kv_splits,
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, mid_o, mid_lse, sm_scale, logit_cap, num_kv_splits,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
@@ -172,7 +187,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
         BLOCK_D=block_dim(head_dim),
         BLOCK_DV=block_dim(head_dim_v),
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2,
+        DOT_PRECISION=dot_precision(q.dtype), HAS_CAP=logit_cap > 0, num_warps=4, num_stages=2,
     )
     _decode_stage2_kernel[(batch, num_q_heads)](
         mid_o, mid_lse, o, kv_indptr, num_kv_splits,
@@ -184,8 +199,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
 
 
 def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                         kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                         sm_scale: float) -> torch.Tensor:
+                         kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float, *,
+                         logit_cap: float = 0.0) -> torch.Tensor:
     """Plain per-row torch, in float32: the definition the kernel must match."""
     group = q.shape[1] // k_buffer.shape[1]
     out = torch.empty(q.shape[0], q.shape[1], v_buffer.shape[2], dtype=torch.float32, device=q.device)
@@ -194,5 +209,7 @@ def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         k = k_buffer[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v_buffer[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[i].float(), k) * sm_scale
+        if logit_cap > 0:
+            scores = logit_cap * torch.tanh(scores / logit_cap)
         out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
     return out.to(q.dtype)
