@@ -37,3 +37,31 @@ def ragged_pages(gen: torch.Generator, lens: list[int], pool_slots: int) -> tupl
 
 def shuffled(gen: torch.Generator, items: list) -> list:
     return [items[i] for i in torch.randperm(len(items), generator=gen).tolist()]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, logit_cap: float) -> torch.Tensor:
+    """One query token against the keys it sees, spelled out: q [Hq, D],
+    k/v [L, Hkv, D] -> [Hq, Dv], float32. The oracle for windows and caps."""
+    group = q.shape[0] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("hd,lhd->hl", q.float(), k) * scale
+    if logit_cap > 0:
+        scores = logit_cap * torch.tanh(scores / logit_cap)
+    return torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+
+
+def extend_oracle(q: torch.Tensor, k_ext: torch.Tensor, v_ext: torch.Tensor, k_buf: torch.Tensor,
+                  v_buf: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                  kv_indices: torch.Tensor, scale: float, sliding_window: int, logit_cap: float) -> torch.Tensor:
+    """Query by query: the token at position i (prefix + index among the new
+    tokens) attends to positions max(0, i - window + 1)..i of prefix + new."""
+    out = torch.empty(q.shape[0], q.shape[1], v_ext.shape[2])
+    for row in range(qo_indptr.numel() - 1):
+        q0, q1 = int(qo_indptr[row]), int(qo_indptr[row + 1])
+        slots = kv_indices[kv_indptr[row]:kv_indptr[row + 1]].long()
+        k, v = torch.cat([k_buf[slots], k_ext[q0:q1]]), torch.cat([v_buf[slots], v_ext[q0:q1]])
+        for t in range(q1 - q0):
+            i = slots.numel() + t
+            lo = max(0, i - sliding_window + 1) if sliding_window > 0 else 0
+            out[q0 + t] = attend(q[q0 + t], k[lo:i + 1], v[lo:i + 1], scale, logit_cap)
+    return out
