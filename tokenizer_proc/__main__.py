@@ -71,7 +71,10 @@ def main() -> None:
     logger.info("open-file limit %d", raise_open_file_limit())  # every connection is a descriptor
     if cfg.model_info is None:
         raise SystemExit("tokenizer_proc needs model_info in its config")
-    tokenizer = load_tokenizer(cfg.model_info.tokenizer_path)
+    try:
+        tokenizer = load_tokenizer(cfg.model_info.tokenizer_path, cfg.server_args.chat_template_text())
+    except ValueError as e:  # --chat-template refused: one line, not a traceback
+        raise SystemExit(f"tokenizer_proc: {e}") from None
     sys.exit(uvloop.run(serve(cfg, tokenizer)))
 
 

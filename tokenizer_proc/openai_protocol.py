@@ -24,7 +24,7 @@ from tokenizer_proc.protocol import (MAX_N, MAX_OUTPUTS, check_fits_context, che
                                      check_prompt_text, validate_sampling_params)
 from tokenizer_proc.request_spec import RequestSpec, fan_out_rids, seed_for_sample
 from tokenizer_proc.sglang_fields import OPENAI_FIELDS, check_fields
-from tokenizer_proc.tokenizer import Tokenizer
+from tokenizer_proc.tokenizer import NoChatTemplateError, Tokenizer
 from tokenizer_proc.validation import (cache_namespace, check_bool, check_cache_salt, check_int, check_int_list,
                                        check_logit_bias, check_number, check_priority, check_prompt_chars, check_range,
                                        check_stop, check_stop_regex, check_timeout, is_int, optional)
@@ -139,6 +139,8 @@ class PendingOpenAI:
         if self.messages is not None:
             try:
                 ids = tokenizer.apply_chat_template(self.messages)
+            except NoChatTemplateError as e:
+                raise BadRequestError(str(e)) from None
             except Exception as e:  # the template's own checks (role order, ...) are client errors
                 raise BadRequestError(f"cannot apply the chat template: {e}") from None
             return [(check_prompt_ids(ids, vocab), "")]

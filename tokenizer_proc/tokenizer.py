@@ -23,6 +23,16 @@ from common.tokenizer_files import find_tokenizer, load_hf_tokenizer
 
 T = TypeVar("T")
 
+NO_CHAT_TEMPLATE = ("this model has no chat template (its tokenizer carries none): start the server with "
+                    "--chat-template FILE, or send the prompt as text to /v1/completions or /generate")
+
+
+class NoChatTemplateError(ValueError):
+    """A chat request to a model without a chat template: the client's to fix (HTTP 400)."""
+
+    def __init__(self) -> None:
+        super().__init__(NO_CHAT_TEMPLATE)
+
 
 class Tokenizer(Protocol):
     eos_token_ids: list[int]
@@ -61,16 +71,25 @@ class TokenizerPool:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def load_tokenizer(path: str) -> Tokenizer:
+def load_tokenizer(path: str, chat_template: str | None = None) -> Tokenizer:
     """A folder with tokenizer.json is a HF fast tokenizer; a folder with only
-    tokenizer.model (or a .model file itself) is SentencePiece."""
+    tokenizer.model (or a .model file itself) is SentencePiece. `chat_template`
+    (--chat-template's Jinja source) replaces the tokenizer's own."""
     kind, found = find_tokenizer(path)
-    return SentencePieceTokenizer(found) if kind == "sentencepiece" else HFTokenizer(found)
+    if kind == "sentencepiece":
+        if chat_template:  # its chat format is Llama 2's, written in Python: no Jinja renderer
+            raise ValueError(f"--chat-template needs a Hugging Face tokenizer (tokenizer.json); {found} "
+                             "is a SentencePiece model")
+        return SentencePieceTokenizer(found)
+    return HFTokenizer(found, chat_template)
 
 
 class HFTokenizer:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, chat_template: str | None = None) -> None:
         self.tok = load_hf_tokenizer(path)
+        if chat_template:
+            self.tok.chat_template = chat_template
+            _check_template_syntax(self.tok)
         self.vocab_size = len(self.tok)  # includes added (special) tokens
         self.eos_token_ids = _eos_ids(self.tok.eos_token_id, path)
         # byte-level entries have a character per byte, so this bounds the
@@ -86,12 +105,24 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         if not getattr(self.tok, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
+            raise NoChatTemplateError()
         # Render to text and encode without special tokens: the template already
         # writes any BOS itself. (tokenize=True returns a BatchEncoding in
         # transformers 5 and a list in 4; text works in both.)
         prompt = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(self.tok.encode(prompt, add_special_tokens=False))
+
+
+def _check_template_syntax(tok: Any) -> None:
+    """A --chat-template that does not parse fails the start, not every chat request."""
+    import jinja2
+
+    try:
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template does not parse: {e.message} (line {e.lineno})") from None
+    except Exception:  # the template's own checks may refuse a lone user turn: not a syntax error
+        pass
 
 
 def _eos_ids(tokenizer_eos: int | None, folder: str) -> list[int]:

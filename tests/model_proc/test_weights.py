@@ -58,3 +58,15 @@ def test_cached_conversion_is_reused_without_converting(tmp_path, monkeypatch):
     make_tiny_llama(target)
     monkeypatch.setattr(weights, "convert_gguf", lambda *a: pytest.fail("converted again"))
     assert resolve_model_path(str(gguf), str(tmp_path / "cache")) == target
+
+
+def test_a_converted_gguf_also_ends_at_end_of_turn_where_its_vocabulary_has_it():
+    """transformers keeps only the GGUF's eos; llama.cpp also stops at <end_of_turn> (Gemma's)."""
+    from transformers import GenerationConfig
+
+    gemma = GenerationConfig(eos_token_id=1)
+    weights._add_end_of_turn_eos(gemma, {"<eos>": 1, "<end_of_turn>": 106})
+    assert gemma.eos_token_id == [1, 106]
+    chatml = GenerationConfig(eos_token_id=2)
+    weights._add_end_of_turn_eos(chatml, {"<|endoftext|>": 0, "<|im_end|>": 2})
+    assert chatml.eos_token_id == 2
