@@ -19,7 +19,13 @@ The families differ in a few config fields (model_config.py, which also
 refuses what none of them runs): Qwen2's q/k/v bias; Qwen3's RMSNorm over
 each q and k head before rotary (`Attention.qk_norm`); Phi-3's checkpoint
 tensors holding q/k/v and gate/up already stacked (split by rank at load)
-and its longrope scaling (`RotaryEmbedding`).
+and its longrope scaling (`RotaryEmbedding`); Mistral's sliding window (the
+attention backend's per-layer `LayerAttention`). Gemma 2/3 differ most:
+RMSNorm by (1 + w) (the offset added at load, so the folding is the same),
+a second norm after attention and after the MLP, applied before each
+residual add (`DecoderLayer.post_norms`), GELU-tanh in the MLP, embeddings
+scaled by sqrt(hidden), Gemma 2's soft-capped logits (and scores, in the
+backend), Gemma 3's sliding layers with a rope of their own (`local_rotary`).
 
 Tensor parallelism (`--tp-size`, model_proc/parallel.py): each rank builds
 this model with its own share: its query and KV heads (the KV pool holds only
@@ -35,12 +41,13 @@ import math
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model_proc.attention.base import AttentionBackend, AttentionMetadata
 from model_proc.layers import (HooklessModule, Linear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
                                apply_rope_, fold_norm_weight, head_rms_norm_, move_packed_onto_huge_pages)
-from model_proc.model_config import SUPPORTED_MODEL_TYPES, ModelConfig  # noqa: F401 (re-exported)
+from model_proc.model_config import SUPPORTED_MODEL_TYPES, Activation, ModelConfig  # noqa: F401 (re-exported)
 from model_proc.parallel import SINGLE, TensorParallel, shard_heads, shard_range
 from model_proc.row_blocks import pad_rows, padded_rows
 from model_proc.weights import CheckpointReader
@@ -99,15 +106,14 @@ class RotaryEmbedding(nn.Module):
     (docs/architecture.md, the model forward).
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any], max_positions: int) -> None:
         super().__init__()
-        scaling = cfg.rope_scaling
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling)
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim / 2]
         if scaling["rope_type"] == "longrope":
             orig = scaling["original_max_position_embeddings"]
-            long_inv = longrope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling["long_factor"])
+            long_inv = longrope_inv_freq(head_dim, theta, scaling["long_factor"])
             freqs[orig:] = torch.outer(positions[orig:], long_inv)
             scale = scaling["attention_factor"]
             cos, sin = freqs.cos() * scale, freqs.sin() * scale
@@ -141,13 +147,16 @@ class Attention(HooklessModule):
         # (input_layernorm's weight is folded in)
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=cfg.o_bias, tp=tp)
-        # Qwen3: q_norm's weight on every q head, then k_norm's on every k head
+        # Gemma normalizes the output before the residual add (DecoderLayer does both)
+        self.adds_residual = not cfg.sandwich_norms
+        # Qwen3 and Gemma 3: q_norm's weight on every q head, then k_norm's on every k head
         # (the same weight for each head, so any tensor-parallel share of them)
         self.qk_norm = nn.Parameter(torch.empty(self.num_heads + self.num_kv_heads, cfg.head_dim),
                                     requires_grad=False) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """x + attention(rms_norm(x)) (the norm fused into the q/k/v matmul)."""
+        """x + attention(rms_norm(x)) (the norm fused into the q/k/v matmul);
+        without the `x +` where the layer has post norms."""
         n = x.shape[0]
         heads = self.qkv_proj(x, norm_eps=self.eps).view(n, -1, self.head_dim)  # [T, q + k + v heads, head_dim]
         # q and k heads are adjacent in each row: rotate them in one pass, in
@@ -159,7 +168,7 @@ class Attention(HooklessModule):
         apply_rope_(qk, cos, sin)
         q, k, v = heads.split(self.head_counts, dim=1)
         o = self.backend.forward(q, k, v, self.layer_id, meta)
-        return self.o_proj(o.reshape(n, self.q_size), add=x)
+        return self.o_proj(o.reshape(n, self.q_size), add=x if self.adds_residual else None)
 
 
 class MLP(HooklessModule):
@@ -169,14 +178,21 @@ class MLP(HooklessModule):
         self.eps = cfg.rms_norm_eps  # post_attention_layernorm's
         self.inter_start, inter_end = shard_range(cfg.intermediate_size, tp.rank, tp.size, "intermediate_size")
         self.inter = inter_end - self.inter_start
-        # gate and up in one matmul, like qkv (post_attention_layernorm's weight
-        # folded in), its output SiLU(gate) * up (fused where the kernel can)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias, gated=True)
+        # gate and up in one matmul, like qkv (the MLP's input norm's weight
+        # folded in), its output SiLU(gate) * up (fused where the kernel can);
+        # GELU (Gemma) applied here, after the matmul
+        self.silu = cfg.activation is Activation.SILU
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias, gated=self.silu)
         self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
+        self.adds_residual = not cfg.sandwich_norms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x + mlp(rms_norm(x)) (the norm fused into the gate/up matmul)."""
-        return self.down_proj(self.gate_up_proj(x, norm_eps=self.eps), add=x)
+        """x + mlp(rms_norm(x)) (the norm fused into the gate/up matmul);
+        without the `x +` where the layer has post norms."""
+        h = self.gate_up_proj(x, norm_eps=self.eps)
+        if not self.silu:  # GELU-tanh(gate) * up, in place in the matmul's output
+            h = F.gelu(h[:, :self.inter], approximate="tanh").mul_(h[:, self.inter:])
+        return self.down_proj(h, add=x if self.adds_residual else None)
 
 
 class DecoderLayer(HooklessModule):
@@ -185,12 +201,26 @@ class DecoderLayer(HooklessModule):
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, backend, tp)
         self.mlp = MLP(cfg, tp)
+        self.eps = cfg.rms_norm_eps
+        # Gemma: post_attention_layernorm's and post_feedforward_layernorm's
+        # (1 + w), on each block's output before its residual add. float32
+        # whatever the model's dtype (as transformers scales), so not a
+        # parameter the model's .to(dtype) would round: set by load_weights
+        self.post_norms: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # each block normalizes its own input: the norms have no weight here
         # (folded into the next matmul) and run inside that matmul's call
+        if self.post_norms is not None:  # Gemma
+            x = x + self._post_norm(self.self_attn(x, cos, sin, meta), 0)
+            return x + self._post_norm(self.mlp(x), 1)
         return self.mlp(self.self_attn(x, cos, sin, meta))
+
+    def _post_norm(self, h: torch.Tensor, which: int) -> torch.Tensor:
+        """Gemma's RMSNorm: in float32, times its weight, then rounded once."""
+        assert self.post_norms is not None
+        return F.rms_norm(h.float(), (h.shape[-1],), eps=self.eps).mul_(self.post_norms[which]).to(h.dtype)
 
 
 class FusedDecoder(Protocol):
@@ -219,7 +249,11 @@ class LlamaForCausalLM(nn.Module):
         # batch-invariant forward (row_blocks.py); the backend must be one too
         self.deterministic = deterministic
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.rotary = RotaryEmbedding(cfg, max_positions)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions)
+        # Gemma 3's sliding layers: a rope of their own (None: every layer the same)
+        self.local_rotary = None if cfg.local_rope_theta is None else RotaryEmbedding(
+            cfg.head_dim, cfg.local_rope_theta, cfg.local_rope_scaling or {"rope_type": "default"}, max_positions)
+        self.local_layers = [w is not None for w in cfg.layer_windows] or [False] * cfg.num_layers
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, tp) for i in range(cfg.num_layers))
         # its own matrix even when tied: the final norm's weight is folded in,
         # and on a CPU it is packed for the matmul, which the embedding lookup can't use
@@ -241,6 +275,8 @@ class LlamaForCausalLM(nn.Module):
             rows = padded_rows(num_tokens)
             input_ids, positions = pad_rows(input_ids, rows), pad_rows(positions, rows)
         x = self.embed_tokens(input_ids)
+        if self.cfg.embed_scale is not None:  # Gemma: by sqrt(hidden) rounded to the dtype, as transformers
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary(positions, x.dtype)
         fused = self.native_decoder
         out = fused.forward(x, cos, sin, meta, num_tokens) if fused is not None and self.use_native_decoder \
@@ -248,14 +284,17 @@ class LlamaForCausalLM(nn.Module):
         if out is not None:
             x = out
         else:
-            for layer in self.layers:
-                x = layer(x, cos, sin, meta)
+            local = None if self.local_rotary is None else self.local_rotary(positions, x.dtype)
+            for layer, is_local in zip(self.layers, self.local_layers):
+                x = layer(x, *(local if local is not None and is_local else (cos, sin)), meta)
         # only the last token of each row is sampled: skip the rest of the
         # (vocab-sized) head for the prompt tokens of an extend
         last = x[:num_tokens] if meta.is_decode else x[meta.qo_indptr[1:] - 1]
         if extra_index is not None and extra_index.numel():
             last = torch.cat([last, x[extra_index]])
-        return self.lm_head(last, norm_eps=self.cfg.rms_norm_eps).float()
+        logits = self.lm_head(last, norm_eps=self.cfg.rms_norm_eps).float()
+        cap = self.cfg.final_softcap
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
     @torch.no_grad()
     def load_weights(self, ckpt: CheckpointReader) -> None:
@@ -273,6 +312,11 @@ class LlamaForCausalLM(nn.Module):
             param[n:].zero_()
 
         cfg, hd = self.cfg, self.cfg.head_dim
+
+        def norm(name: str) -> torch.Tensor:
+            """A norm's weight as it scales: Gemma's 1 + w (in float32)."""
+            w = ckpt.read(name)
+            return w.float() + cfg.norm_weight_offset if cfg.norm_weight_offset else w
 
         def rows(name: str, start: int, end: int) -> torch.Tensor:
             return ckpt.read(name, 0, start, end)
@@ -301,26 +345,33 @@ class LlamaForCausalLM(nn.Module):
         put(emb.weight, rows("model.embed_tokens.weight", emb.start, emb.end), pad=True)
         head = self.lm_head
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        put(head.weight, fold_norm_weight(rows(head_name, head.start, head.end), ckpt.read("model.norm.weight")),
+        put(head.weight, fold_norm_weight(rows(head_name, head.start, head.end), norm("model.norm.weight")),
             pad=True)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             a = f"{p}self_attn."
             put(attn.qkv_proj.weight, fold_norm_weight(qkv(attn, a, "weight"),
-                                                       ckpt.read(f"{p}input_layernorm.weight")))
+                                                       norm(f"{p}input_layernorm.weight")))
             if attn.qkv_proj.bias is not None:
                 put(attn.qkv_proj.bias, qkv(attn, a, "bias"))
             if attn.qk_norm is not None:
-                q_norm, k_norm = ckpt.read(f"{a}q_norm.weight"), ckpt.read(f"{a}k_norm.weight")
+                q_norm, k_norm = norm(f"{a}q_norm.weight"), norm(f"{a}k_norm.weight")
                 put(attn.qk_norm, torch.cat([q_norm.expand(attn.num_heads, hd), k_norm.expand(attn.num_kv_heads, hd)]))
             q0, q1 = attn.heads.q_start * hd, (attn.heads.q_start + attn.heads.num_heads) * hd
             put(attn.o_proj.weight, ckpt.read(f"{a}o_proj.weight", 1, q0, q1))
             if attn.o_proj.bias is not None:  # rank 0 only: added once, before the all-reduce
                 put(attn.o_proj.bias, ckpt.read(f"{a}o_proj.bias"))
             m = f"{p}mlp."
-            put(mlp.gate_up_proj.weight, fold_norm_weight(gate_up(mlp, m, "weight"),
-                                                          ckpt.read(f"{p}post_attention_layernorm.weight")))
+            # Gemma's MLP input norm is pre_feedforward_layernorm; its
+            # post_attention_layernorm normalizes the attention output
+            mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
+            put(mlp.gate_up_proj.weight, fold_norm_weight(gate_up(mlp, m, "weight"), norm(f"{p}{mlp_norm}.weight")))
+            if cfg.sandwich_norms:  # w in the model's dtype, then 1 + w in float32, as transformers
+                dtype, device = emb.weight.dtype, emb.weight.device
+                layer.post_norms = torch.stack([
+                    ckpt.read(f"{p}{name}.weight").to(dtype).float() + cfg.norm_weight_offset
+                    for name in ("post_attention_layernorm", "post_feedforward_layernorm")]).to(device)
             if mlp.gate_up_proj.bias is not None:
                 put(mlp.gate_up_proj.bias, gate_up(mlp, m, "bias"))
             put(mlp.down_proj.weight, ckpt.read(f"{m}down_proj.weight", 1, mlp.inter_start,

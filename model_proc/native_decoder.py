@@ -14,6 +14,7 @@ import torch
 from model_proc.attention.base import AttentionMetadata
 from model_proc.attention.native import MixedAttnMetadata, NativeAttnBackend, NativeAttnMetadata
 from model_proc.layers import Linear, MatmulKernel, native_layers_op
+from model_proc.model_config import Activation
 
 if TYPE_CHECKING:
     from model_proc.model import LlamaForCausalLM
@@ -64,17 +65,19 @@ def build_native_decoder(model: LlamaForCausalLM) -> NativeDecoder | None:
     """The model's native decoder where every piece of a step is native here
     (bfloat16 matmuls and rotary, the native attention op), on one rank,
     without --deterministic (its fixed-size row blocks are Python's), and for
-    layers made only of the ops it has (not Qwen3's q/k norms)."""
+    layers made only of the ops it has: Llama's (not Qwen3's or Gemma's
+    q/k norms, not Gemma's extra norms and GELU, no sliding window)."""
     backend = model.layers[0].self_attn.backend
     layer_linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
-    if model.cfg.qk_norm:  # Qwen3's per-head q/k norms: DecoderStack has no such step
+    cfg = model.cfg
+    if cfg.qk_norm or cfg.sandwich_norms or cfg.activation is not Activation.SILU or cfg.sliding \
+            or cfg.embed_scale is not None:  # steps DecoderStack does not have
         return None
     if model.tp.size > 1 or model.deterministic or not isinstance(backend, NativeAttnBackend) \
             or backend.op is None or any(lin.kernel is not MatmulKernel.NATIVE for lin in layer_linears):
         return None
     op = native_layers_op(model.embed_tokens.weight.device)
     attn0 = model.layers[0].self_attn
-    cfg = model.cfg
     stack = op.DecoderStack(backend.op.decode_fn, backend.op.extend_fn, attn0.num_heads, attn0.num_kv_heads,
                             cfg.head_dim, cfg.hidden_size, model.layers[0].mlp.inter, cfg.rms_norm_eps,
                             backend.scale)

@@ -20,7 +20,7 @@ import torch
 
 from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardMode, ForwardResult, ModelInfo
 from common.server_args import ServerArgs
-from model_proc.attention import create_attention_backend
+from model_proc.attention import create_attention_backend, layer_attention
 from model_proc.dtypes import dtype_name, resolve_dtype
 from model_proc.kv_cache import KVPool, ReqToTokenTable, kv_pool_size
 from model_proc.model import LlamaForCausalLM, ModelConfig
@@ -49,7 +49,6 @@ class ModelRunner:
         config = _read_json(os.path.join(self.model_path, "config.json"))
         cfg = self.model_config = ModelConfig.from_dict(config)
         self.context_len = sa.context_length or cfg.max_position_embeddings
-        cfg.check_context(self.context_len)  # a sliding window the context would exceed: refused
         if self.context_len > cfg.max_position_embeddings:
             logger.warning("context length %d exceeds the model's max_position_embeddings %d",
                            self.context_len, cfg.max_position_embeddings)
@@ -70,8 +69,8 @@ class ModelRunner:
                     tuple(self.req_to_token.table.shape))
 
         self.attn_backend = create_attention_backend(
-            sa.attention_backend, self.kv_pool, self.req_to_token, scale=cfg.head_dim ** -0.5,
-            deterministic=sa.deterministic)
+            sa.attention_backend, self.kv_pool, self.req_to_token, scale=cfg.attn_scale,
+            deterministic=sa.deterministic, layers=layer_attention(cfg))
         self.model = LlamaForCausalLM(cfg, self.attn_backend, max_positions=self.context_len,
                                       deterministic=sa.deterministic, tp=tp)
         self.model.to(device=self.device, dtype=self.dtype)

@@ -50,6 +50,36 @@ def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_phi3")), model_type="phi3", seed=5)
 
 
+# Gemma 3: sliding layers with a window of 16 (shorter than the prompts and
+# than a 32-token prefill chunk, so chunks cross it) and full layers with
+# their own rope theta; Gemma 2: alternating windows, soft-capped scores and
+# logits (transformers' eager attention, the one that caps); Mistral: a
+# window on every layer
+TINY_WINDOW = 16
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_gemma3")), model_type="gemma3_text", seed=6,
+                           num_hidden_layers=4, sliding_window=TINY_WINDOW, query_pre_attn_scalar=24,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_gemma2")), model_type="gemma2", seed=7,
+                           num_hidden_layers=4, sliding_window=TINY_WINDOW, query_pre_attn_scalar=24,
+                           attn_implementation="eager")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_mistral")), model_type="mistral", seed=8,
+                           sliding_window=TINY_WINDOW)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_hf(tiny_llama_dir: str) -> Any:
     return load_hf(tiny_llama_dir)

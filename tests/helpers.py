@@ -33,16 +33,21 @@ def make_tiny_llama(folder: str, *, model_type: str = "llama", seed: int = 0,
     logits spread out and greedy choices are far from ties: a float32
     reimplementation then matches token for token.
     """
-    from transformers import (LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                              LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-               "qwen3": (Qwen3Config, Qwen3ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
+               "mistral": (MistralConfig, MistralForCausalLM), "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+               "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM)}
     config_cls, model_cls = classes[model_type]
-    # Qwen3's config defaults head_dim to 128 whatever the hidden size: the
-    # tiny model's own (hidden / heads) unless a test asks for another
-    defaults = {"head_dim": TINY_CONFIG["hidden_size"] // TINY_CONFIG["num_attention_heads"]} \
-        if model_type == "qwen3" else {}
+    # Qwen3's and Gemma's configs default head_dim to 128 or 256 whatever the
+    # hidden size: the tiny model's own (hidden / heads) unless a test asks
+    # for another
+    defaults: dict[str, Any] = {}
+    if model_type in ("qwen3", "gemma2", "gemma3_text"):
+        defaults["head_dim"] = TINY_CONFIG["hidden_size"] // TINY_CONFIG["num_attention_heads"]
     config = config_cls(**{**TINY_CONFIG, **defaults, **config_overrides})
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)

@@ -15,17 +15,70 @@ A backend's metadata adds what its kernels need on top.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from model_proc.kv_cache import KVPool, ReqToTokenTable
+from model_proc.model_config import ModelConfig
 from model_proc.step_inputs import StepInputs
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention computes beyond softmax(q.k * scale) v.
+
+    window: a query at position i sees the keys at i - window < j <= i
+    (transformers' sliding window: itself and window - 1 before it); None,
+    every earlier key. softcap (Gemma 2): each scaled score s becomes
+    softcap * tanh(s / softcap) before the softmax."""
+    window: int | None = None
+    softcap: float | None = None
+
+
+FULL = LayerAttention()
+
+
+def layer_attention(cfg: ModelConfig) -> list[LayerAttention]:
+    """The model's per-layer attention, from its config."""
+    return [LayerAttention(w, cfg.attn_softcap) for w in cfg.layer_windows] or [FULL] * cfg.num_layers
+
+
+@dataclass
+class WindowKV:
+    """A decode step's KV restricted to each row's last `window` tokens: what
+    a decoding token of a sliding layer attends (kv_indptr/kv_indices in the
+    form of the step's own; max_len its longest row)."""
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    max_len: int
+
+
+def window_kv(inputs: StepInputs, window: int) -> WindowKV:
+    """Each row's last min(seq_len, window) slots of the step's kv_indices:
+    a decode token at position s - 1 sees keys s - window .. s - 1."""
+    lens = inputs.seq_lens.clamp(max=window)
+    indptr = torch.zeros_like(inputs.kv_indptr)
+    torch.cumsum(lens, 0, out=indptr[1:])
+    total = sum(min(s, window) for s in inputs.seq_lens_host)
+    # the first kept slot of row i sits at kv_indptr[i] + seq_len - len
+    shift = inputs.kv_indptr[:-1] + inputs.seq_lens - lens - indptr[:-1]
+    at = torch.arange(total, device=lens.device) + torch.repeat_interleave(shift, lens, output_size=total)
+    return WindowKV(indptr, inputs.kv_indices[at], min(inputs.max_seq_len, window))
 
 
 @dataclass
 class AttentionMetadata:
     inputs: StepInputs  # the step's (or one part's, in a mixed step split by the native backend)
+    # decode: the windowed KV of each window a layer uses, built by its first layer
+    windows: dict[int, WindowKV] = field(default_factory=dict, kw_only=True)
+
+    def window_kv(self, window: int) -> WindowKV:
+        kv = self.windows.get(window)
+        if kv is None:
+            kv = self.windows[window] = window_kv(self.inputs, window)
+        return kv
 
     @property
     def is_decode(self) -> bool:
@@ -61,10 +114,15 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float) -> None:
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float,
+                 layers: Sequence[LayerAttention] | None = None) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.scale = scale
+        # per layer id (default: full attention, no cap)
+        self.layers = list(layers) if layers is not None else [FULL] * kv_pool.num_layers
+        if len(self.layers) != kv_pool.num_layers:
+            raise ValueError(f"{len(self.layers)} layer specs for a pool of {kv_pool.num_layers} layers")
 
     @abstractmethod
     def init_forward_metadata(self, inputs: StepInputs) -> AttentionMetadata:

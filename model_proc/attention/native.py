@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from model_proc.attention.base import AttentionBackend, AttentionMetadata
+from collections.abc import Sequence
+
+from model_proc.attention.base import AttentionBackend, AttentionMetadata, LayerAttention
 from model_proc.attention.torch_backend import TorchAttnBackend
 from model_proc.kv_cache import KVPool, ReqToTokenTable
 from model_proc.step_inputs import StepInputs
@@ -21,6 +23,9 @@ class NativeAttnMetadata(AttentionMetadata):
     """Rows the op attends: it reads K/V in place through kv_indices, so it
     needs no padded slot matrix; `max_len` is the longest row (decode)."""
     max_len: int = 0
+    # extend rows of a sliding layer: the torch backend's metadata for the
+    # same rows (the op has no window mask), built by the first such layer
+    torch_meta: AttentionMetadata | None = None
 
 
 @dataclass
@@ -61,15 +66,19 @@ class NativeAttnBackend(AttentionBackend):
     # (SIMD dot products) is slower than the torch path's.
     native_extend: bool | None = None
 
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float) -> None:
-        super().__init__(kv_pool, req_to_token, scale)
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float,
+                 layers: Sequence[LayerAttention] | None = None) -> None:
+        super().__init__(kv_pool, req_to_token, scale, layers)
         from model_proc import native  # imported here: only this backend builds it
 
-        self.torch = TorchAttnBackend(kv_pool, req_to_token, scale)
+        self.torch = TorchAttnBackend(kv_pool, req_to_token, scale, layers)
         k_buf = kv_pool.k_buffer[0]
         dtype, head_dim = str(k_buf.dtype).removeprefix("torch."), k_buf.shape[2]
         self.op = native.load() if k_buf.device.type == "cpu" else None
-        if self.op is not None and not self.op.supports(dtype, head_dim):
+        if self.op is not None and any(spec.softcap is not None for spec in self.layers):
+            logger.warning("native attention op has no soft-capped scores: using the torch attention path")
+            self.op = None
+        elif self.op is not None and not self.op.supports(dtype, head_dim):
             logger.warning("native attention op has no kernel for %s, head_dim %d: using the torch "
                            "attention path", dtype, head_dim)
             self.op = None
@@ -128,6 +137,12 @@ class NativeAttnBackend(AttentionBackend):
         if not isinstance(meta, NativeAttnMetadata):
             return self.torch.forward(q, k, v, layer_id, meta)
         assert self.op is not None
+        window = self.layers[layer_id].window
+        if window is not None and not meta.is_decode:
+            # the op's extend has no window mask: the torch path's masked extend
+            if meta.torch_meta is None:
+                meta.torch_meta = self.torch.init_forward_metadata(meta.inputs)
+            return self.torch.forward(q, k, v, layer_id, meta.torch_meta)
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         # the op needs each token's heads contiguous (a row stride of its own is fine)
         q, k, v = _heads_contiguous(q), _heads_contiguous(k), _heads_contiguous(v)
@@ -136,7 +151,10 @@ class NativeAttnBackend(AttentionBackend):
         # the op stores k/v into their slots first (KVPool.store, fused), and
         # extend reads the new tokens back from the pool
         if meta.is_decode:
-            return self.op.decode(out, q, k_buf, v_buf, meta.kv_indptr, meta.kv_indices, self.scale, meta.max_len,
+            # a sliding layer: each row's last `window` slots (the op stores
+            # the new token first, the last of them)
+            kv = meta if window is None else meta.window_kv(window)
+            return self.op.decode(out, q, k_buf, v_buf, kv.kv_indptr, kv.kv_indices, self.scale, kv.max_len,
                                   k, v, meta.out_cache_loc)
         return self.op.extend(out, q, k_buf, v_buf, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, self.scale,
                               k, v, meta.out_cache_loc)

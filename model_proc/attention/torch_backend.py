@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model_proc.attention.base import AttentionBackend, AttentionMetadata
+from collections.abc import Sequence
+
+from model_proc.attention.base import AttentionBackend, AttentionMetadata, LayerAttention
 from model_proc.kv_cache import KVPool, ReqToTokenTable
 from model_proc.step_inputs import StepInputs
 
@@ -24,6 +26,8 @@ class TorchAttnMetadata(AttentionMetadata):
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     max_len: int = 0
+    # decode: per window a layer uses, the mask of each row's last `window` entries
+    decode_window_masks: dict[int, torch.Tensor] | None = None
 
 
 class GatherWorkspace:
@@ -73,9 +77,11 @@ class TorchAttnBackend(AttentionBackend):
     # than one row.
     decode_chunk_bytes = 8 << 20
 
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float) -> None:
-        super().__init__(kv_pool, req_to_token, scale)
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float,
+                 layers: Sequence[LayerAttention] | None = None) -> None:
+        super().__init__(kv_pool, req_to_token, scale, layers)
         self.workspace = GatherWorkspace()
+        self.windows = sorted({spec.window for spec in self.layers if spec.window is not None})
 
     def init_forward_metadata(self, inputs: StepInputs) -> TorchAttnMetadata:
         if inputs.is_decode:
@@ -83,8 +89,11 @@ class TorchAttnBackend(AttentionBackend):
             cols = torch.arange(max_len, device=inputs.seq_lens.device)
             valid = cols[None, :] < inputs.seq_lens[:, None]
             slots = self.req_to_token.table[inputs.req_pool_indices, :max_len].to(torch.int64).masked_fill_(~valid, 0)
+            # a sliding layer's decode token at position s - 1 sees s - window .. s - 1
+            window_masks = {w: (valid & (cols[None, :] >= inputs.seq_lens[:, None] - w))[:, None, None, :]
+                            for w in self.windows}
             return TorchAttnMetadata(inputs, decode_slots=slots.flatten(), decode_mask=valid[:, None, None, :],
-                                     max_len=max_len)
+                                     max_len=max_len, decode_window_masks=window_masks)
         # EXTEND, and MIXED (its decoding rows are extend rows of one token here)
         inputs.kv_indices  # gathered here, once per step, rather than by the first layer
         qo_bounds, prefix_bounds = [], []
@@ -104,21 +113,24 @@ class TorchAttnBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, layer_id: int, meta: TorchAttnMetadata) -> torch.Tensor:
         max_len = meta.max_len
+        spec = self.layers[layer_id]
+        mask = meta.decode_mask if spec.window is None else meta.decode_window_masks[spec.window]
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         row_bytes = 2 * max_len * k_buf[0].numel() * k_buf.element_size()  # one row's K + V, padded
         chunk = max(1, min(meta.batch_size, self.decode_chunk_bytes // row_bytes))
         k_ws, v_ws = self.workspace.get(chunk * max_len, k_buf)
         if chunk == meta.batch_size:
-            return self._decode_rows(q, k_buf, v_buf, meta.decode_slots, meta.decode_mask, k_ws, v_ws)
+            return self._decode_rows(q, k_buf, v_buf, meta.decode_slots, mask, k_ws, v_ws, spec.softcap)
         out = torch.empty_like(q)
         for r0 in range(0, meta.batch_size, chunk):
             r1 = min(r0 + chunk, meta.batch_size)
             out[r0:r1] = self._decode_rows(q[r0:r1], k_buf, v_buf, meta.decode_slots[r0 * max_len:r1 * max_len],
-                                           meta.decode_mask[r0:r1], k_ws, v_ws)
+                                           mask[r0:r1], k_ws, v_ws, spec.softcap)
         return out
 
     def _decode_rows(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
-                     mask: torch.Tensor, k_ws: torch.Tensor, v_ws: torch.Tensor) -> torch.Tensor:
+                     mask: torch.Tensor, k_ws: torch.Tensor, v_ws: torch.Tensor,
+                     softcap: float | None = None) -> torch.Tensor:
         """One padded, masked SDPA over rows whose flattened [rows * max_len]
         slots are given, gathered into the workspace."""
         rows, max_len = mask.shape[0], mask.shape[-1]
@@ -134,8 +146,11 @@ class TorchAttnBackend(AttentionBackend):
         # and V read once, never expanded; no causal mask applies to a decode
         # token. Faster than SDPA's enable_gqa.
         group = q.shape[1] // kv_heads
-        out = F.scaled_dot_product_attention(q.view(rows, kv_heads, group, head_dim), k, v,
-                                             attn_mask=mask, scale=self.scale)
+        q = q.view(rows, kv_heads, group, head_dim)
+        if softcap is not None:  # SDPA has no soft-cap: the scores in float32 matmuls
+            out = capped_attention(q, k, v, mask, self.scale, softcap)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return out.reshape(rows, kv_heads * group, head_dim)
 
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
@@ -156,6 +171,9 @@ class TorchAttnBackend(AttentionBackend):
         "Prefill over a cached prefix").
         """
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+        spec = self.layers[layer_id]
+        if spec.window is not None or spec.softcap is not None:
+            return self._extend_masked(q, k, v, k_buf, v_buf, spec, meta)
         out = torch.empty_like(q)
         for (q0, q1), (p0, p1) in zip(meta.qo_bounds, meta.prefix_bounds):
             # [1, heads, tokens, D]: the CPU flash kernel takes 4-d inputs only
@@ -174,6 +192,53 @@ class TorchAttnBackend(AttentionBackend):
                 o = merge_attention(*over_prefix, *over_new)
             out[q0:q1] = o[0].transpose(0, 1)
         return out
+
+    def _extend_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
+                       v_buf: torch.Tensor, spec: LayerAttention, meta: TorchAttnMetadata) -> torch.Tensor:
+        """Extend for a sliding or soft-capped layer: per row, the queries
+        over the part of the prefix any of them can still see (a window's
+        worth at most) and the new tokens, with an explicit mask of who sees
+        what, in float32 matmuls (capped_attention), queries in blocks so
+        the score matrix stays small."""
+        out = torch.empty_like(q)
+        kv_heads, head_dim = k.shape[1:]
+        group = q.shape[1] // kv_heads
+        cap = spec.softcap
+        for (q0, q1), (p0, p1) in zip(meta.qo_bounds, meta.prefix_bounds):
+            prefix = p1 - p0
+            # the first new token (position `prefix`) sees keys from prefix - window + 1 on
+            first = 0 if spec.window is None else max(0, prefix - spec.window + 1)
+            slots = meta.kv_indices[p0 + first:p1]
+            rk = torch.cat([k_buf.index_select(0, slots), k[q0:q1]]).transpose(0, 1)  # [kv_heads, L, D]
+            rv = torch.cat([v_buf.index_select(0, slots), v[q0:q1]]).transpose(0, 1)
+            kpos = torch.arange(first, prefix + q1 - q0, device=q.device)
+            for b0 in range(q0, q1, self.masked_query_block):
+                b1 = min(q1, b0 + self.masked_query_block)
+                qpos = torch.arange(prefix + b0 - q0, prefix + b1 - q0, device=q.device)
+                seen = kpos[None, :] <= qpos[:, None]
+                if spec.window is not None:
+                    seen &= kpos[None, :] > qpos[:, None] - spec.window
+                # [kv_heads, group, n, D]: the query heads sharing a KV head together
+                rq = q[b0:b1].view(b1 - b0, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+                o = capped_attention(rq, rk[:, None], rv[:, None], seen, self.scale, cap)
+                out[b0:b1] = o.permute(2, 0, 1, 3).reshape(b1 - b0, kv_heads * group, head_dim)
+        return out
+
+    # queries per score matrix in _extend_masked ([heads, block, keys] float32)
+    masked_query_block = 256
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     softcap: float | None) -> torch.Tensor:
+    """softmax(cap(q.k * scale) masked) @ v in float32, as transformers'
+    eager attention with its soft-cap (Gemma 2) and a boolean mask (True:
+    seen); q [..., n, D], k/v [..., L, D] and mask [..., n, L] broadcast.
+    Returns q's dtype."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
+    if softcap is not None:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
+    scores = scores.masked_fill_(~mask, float("-inf")).softmax(-1)
+    return torch.matmul(scores, v.float()).to(q.dtype)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from model_proc.attention.base import AttentionBackend, AttentionMetadata
+from collections.abc import Sequence
+
+from model_proc.attention.base import AttentionBackend, AttentionMetadata, LayerAttention
 from model_proc.kv_cache import KVPool, ReqToTokenTable
 from model_proc.step_inputs import StepInputs
 
@@ -31,8 +33,9 @@ class TritonAttnBackend(AttentionBackend):
     """The kernels/ Triton kernels: KV store, on-device kv_indices build,
     split-KV GQA decode and prefix-aware extend attention."""
 
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float) -> None:
-        super().__init__(kv_pool, req_to_token, scale)
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, scale: float,
+                 layers: Sequence[LayerAttention] | None = None) -> None:
+        super().__init__(kv_pool, req_to_token, scale, layers)
         device = kv_pool.k_buffer[0].device
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("--attention-backend triton needs a CUDA device "
@@ -64,14 +67,18 @@ class TritonAttnBackend(AttentionBackend):
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         self.kv_ops.store_kv(k_buf, v_buf, meta.out_cache_loc, k, v)
         o = q.new_empty(q.shape[0], q.shape[1], v_buf.shape[2])
+        spec = self.layers[layer_id]
+        cap = spec.softcap or 0.0  # the kernels' "none"
         if meta.is_decode:
             if meta.decode_scratch is None:
                 meta.decode_scratch = self.decode_kernels.decode_scratch(
                     meta.batch_size, q.shape[1], v_buf.shape[2], meta.num_kv_splits, q.device)
+            # a sliding layer: each row's last `window` slots, no kernel change
+            kv = meta if spec.window is None else meta.window_kv(spec.window)
             return self.decode_kernels.decode_attention_fwd(
-                q, k_buf, v_buf, o, meta.kv_indptr, meta.kv_indices, self.scale,
-                meta.num_kv_splits, meta.decode_scratch)
+                q, k_buf, v_buf, o, kv.kv_indptr, kv.kv_indices, self.scale,
+                meta.num_kv_splits, meta.decode_scratch, logit_cap=cap)
         assert meta.prefix_indptr is not None and meta.prefix_indices is not None
         return self.extend_kernels.extend_attention_fwd(
             q, k, v, o, k_buf, v_buf, meta.qo_indptr, meta.prefix_indptr, meta.prefix_indices,
-            meta.max_extend_len, self.scale)
+            meta.max_extend_len, self.scale, sliding_window=spec.window or 0, logit_cap=cap)

@@ -16,9 +16,10 @@ from tests.helpers import make_tiny_llama
 
 
 @pytest.mark.parametrize("model_type, config_edit, reason", [
-    ("phi3", {"sliding_window": 100}, "the model's sliding-window attention (100 tokens) is not supported"),
+    ("gemma3_text", {"layer_types": ["chunked_attention", "full_attention"]},
+     "layer type 'chunked_attention' is not supported"),
     ("qwen3", {"num_experts": 8}, "mixture-of-experts models are not supported (num_experts=8)"),
-], ids=["sliding_window", "experts"])
+], ids=["unknown_layer_type", "experts"])
 def test_an_unsupported_config_stops_the_start_with_one_line(model_type, config_edit, reason, tmp_path):
     folder = make_tiny_llama(str(tmp_path), model_type=model_type)
     path = os.path.join(folder, "config.json")

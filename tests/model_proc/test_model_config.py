@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from model_proc.model import ModelConfig, rope_inv_freq
+from model_proc.model_config import Activation
 
 BASE = dict(model_type="llama", vocab_size=10, hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4)
@@ -80,23 +81,50 @@ def test_configs_the_model_does_not_run_are_refused_in_one_line(fields, reason):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("fields, window", [
-    ({"model_type": "qwen2", **QWEN_WINDOW_OFF}, None),
-    ({"model_type": "qwen3", **QWEN_WINDOW_OFF}, None),
-    ({"model_type": "qwen3", **QWEN_WINDOW_OFF, "use_sliding_window": True, "max_window_layers": 2}, None),
-    ({"model_type": "qwen3", **QWEN_WINDOW_OFF, "use_sliding_window": True}, 32768),
+@pytest.mark.parametrize("fields, windows", [
+    ({"model_type": "qwen2", **QWEN_WINDOW_OFF}, (None, None)),
+    ({"model_type": "qwen3", **QWEN_WINDOW_OFF}, (None, None)),
+    ({"model_type": "qwen3", **QWEN_WINDOW_OFF, "use_sliding_window": True, "max_window_layers": 2}, (None, None)),
+    ({"model_type": "qwen3", **QWEN_WINDOW_OFF, "use_sliding_window": True, "max_window_layers": 1},
+     (None, 32768)),
     ({"model_type": "qwen2", "sliding_window": 512, "use_sliding_window": True,
-      "layer_types": ["full_attention", "sliding_attention"]}, 512),
-    ({"model_type": "mistral", "sliding_window": 4096}, 4096),
-    ({"model_type": "mistral", "sliding_window": None}, None),
-    ({"model_type": "phi3", "sliding_window": 2047}, 2047),
-    ({"model_type": "llama", "sliding_window": 100}, None),
-], ids=["qwen2_off", "qwen3_off", "qwen3_on_no_layer", "qwen3_on", "qwen2_layer_types", "mistral_v01",
-        "mistral_none", "phi3_mini_4k", "llama_ignores"])
-def test_sliding_window_refused_only_where_the_context_exceeds_it(fields, window):
+      "layer_types": ["full_attention", "sliding_attention"]}, (None, 512)),
+    ({"model_type": "mistral", "sliding_window": 4096}, (4096, 4096)),
+    ({"model_type": "mistral", "sliding_window": None}, (None, None)),
+    ({"model_type": "phi3", "sliding_window": 2047}, (2047, 2047)),
+    ({"model_type": "llama", "sliding_window": 100}, (None, None)),
+    ({"model_type": "gemma2", "sliding_window": 4096}, (4096, None)),
+    ({"model_type": "gemma3_text", "sliding_window": 512, "num_hidden_layers": 7}, (512,) * 5 + (None, 512)),
+    ({"model_type": "gemma3_text", "sliding_window": 512, "sliding_window_pattern": 2}, (512, None)),
+], ids=["qwen2_off", "qwen3_off", "qwen3_on_no_layer", "qwen3_on_from_layer_1", "qwen2_layer_types",
+        "mistral_v01", "mistral_none", "phi3_mini_4k", "llama_ignores", "gemma2_alternating",
+        "gemma3_five_of_six", "gemma3_pattern"])
+def test_each_layer_gets_the_window_transformers_applies(fields, windows):
     cfg = ModelConfig.from_dict({**BASE, **fields})
-    assert cfg.sliding_window == window
-    cfg.check_context(window or 1 << 20)  # within the window: full attention is exact
-    if window is not None:
-        with pytest.raises(ValueError, match=f"sliding-window attention \\({window} tokens\\)"):
-            cfg.check_context(window + 1)
+    assert cfg.layer_windows == windows
+    assert cfg.sliding == any(w is not None for w in windows)
+
+
+def test_gemma_fields():
+    g2 = ModelConfig.from_dict({**BASE, "model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh",
+                                "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+                                "final_logit_softcapping": 30.0, "sliding_window": 8})
+    assert g2.attn_scale == 256 ** -0.5 and g2.attn_softcap == 50.0 and g2.final_softcap == 30.0
+    assert g2.activation is Activation.GELU_TANH and g2.sandwich_norms and g2.norm_weight_offset == 1.0
+    assert g2.embed_scale == 8.0 and g2.tie_word_embeddings and not g2.qk_norm and g2.local_rope_theta is None
+    # transformers 5's per-layer-type rope parameters, and the older top-level fields
+    g3 = ModelConfig.from_dict({**BASE, "model_type": "gemma3_text", "sliding_window": 8, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    assert g3.qk_norm and g3.attn_softcap is None and g3.attn_scale == 16 ** -0.5
+    assert (g3.rope_theta, g3.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 8.0})
+    assert (g3.local_rope_theta, g3.local_rope_scaling) == (1e4, {"rope_type": "default"})
+    old = ModelConfig.from_dict({**BASE, "model_type": "gemma3_text", "sliding_window": 8, "rope_theta": 1e6,
+                                 "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert (old.rope_theta, old.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 8.0})
+    assert (old.local_rope_theta, old.local_rope_scaling) == (1e4, {"rope_type": "default"})
+    with pytest.raises(ValueError, match="bidirectional"):
+        ModelConfig.from_dict({**BASE, "model_type": "gemma3_text", "use_bidirectional_attention": True})
+    with pytest.raises(ValueError, match="layer type 'chunked_attention'"):
+        ModelConfig.from_dict({**BASE, "model_type": "gemma3_text", "sliding_window": 8,
+                               "layer_types": ["chunked_attention", "full_attention"]})

@@ -8,50 +8,90 @@ import torch
 from tests.helpers import RunnerDriver, hf_last_logits, load_hf, make_tiny_llama
 
 ATOL = 1e-4
+# Gemma's logits are larger (up to ~16 here: embeddings scaled by
+# sqrt(hidden), two norms per block), and so their float32 rounding
+GEMMA_ATOL = 3e-4
 PROMPTS = [[5, 17, 99, 3, 250, 7, 8], [40, 41], [300, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+# past the tiny models' window of 16 (tests/conftest.py), so sliding layers cut
+LONG = [(i * 29) % 500 + 3 for i in range(40)]
+FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mistral", "gemma2", "gemma3"]
 
 
-def assert_rows_match(hf, logits: torch.Tensor, seqs: list[list[int]]) -> None:
+def assert_rows_match(hf, logits: torch.Tensor, seqs: list[list[int]], atol: float = ATOL) -> None:
     assert logits.dtype == torch.float32 and logits.shape[0] == len(seqs)
     for row_logits, seq in zip(logits, seqs):
-        torch.testing.assert_close(row_logits, hf_last_logits(hf, seq), atol=ATOL, rtol=0)
+        torch.testing.assert_close(row_logits, hf_last_logits(hf, seq), atol=atol, rtol=0)
 
 
-def run_extend_then_decode(runner, hf, prompts: list[list[int]], steps: int = 4) -> None:
+def run_extend_then_decode(runner, hf, prompts: list[list[int]], steps: int = 4, atol: float = ATOL) -> None:
     driver = RunnerDriver(runner)
     rows = [driver.new_row() for _ in prompts]
     seqs = [list(p) for p in prompts]
     logits = runner.compute_logits(driver.extend(rows, prompts))
-    assert_rows_match(hf, logits, seqs)
+    assert_rows_match(hf, logits, seqs, atol)
     for _ in range(steps):
         nxt = logits.argmax(-1).tolist()
         for s, t in zip(seqs, nxt):
             s.append(t)
         logits = runner.compute_logits(driver.decode(rows, nxt))
-        assert_rows_match(hf, logits, seqs)
+        assert_rows_match(hf, logits, seqs, atol)
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3", "phi3"])
+def atol_of(model: str) -> float:
+    return GEMMA_ATOL if model.startswith("gemma") else ATOL
+
+
+@pytest.mark.parametrize("model", FAMILIES)
 def test_ragged_extend_then_decode_logits_equal_transformers(model, request, make_runner):
     folder = request.getfixturevalue(f"tiny_{model}_dir")
-    run_extend_then_decode(make_runner(folder), load_hf(folder), PROMPTS)
+    run_extend_then_decode(make_runner(folder), load_hf(folder), PROMPTS + [LONG], atol=atol_of(model))
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("model", ["mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_sliding_window_across_prefix_and_decode_equals_transformers(model, backend, request, make_runner):
+    """A prompt prefilled in three pieces whose boundaries fall inside and
+    past the window (16), then decoded past it: each sliding layer sees only
+    its window, through the prefix in the pool and the new tokens."""
+    folder = request.getfixturevalue(f"tiny_{model}_dir")
+    runner, hf = make_runner(folder, attention_backend=backend), load_hf(folder)
+    atol = atol_of(model)
+    driver = RunnerDriver(runner, seed=5)
+    row, other = driver.new_row(), driver.new_row()
+    pieces = [LONG[:10], LONG[10:31], LONG[31:]]
+    seq: list[int] = []
+    for i, piece in enumerate(pieces):
+        seq += piece
+        if i == 1:  # a fresh short row beside it
+            logits = runner.compute_logits(driver.extend([row, other], [piece, PROMPTS[1]]))
+            assert_rows_match(hf, logits, [seq, PROMPTS[1]], atol)
+        else:
+            assert_rows_match(hf, runner.compute_logits(driver.extend([row], [piece])), [seq], atol)
+    short = list(PROMPTS[1])
+    for step in range(20):  # the short row decodes past the window too
+        seq.append(3 + step)
+        short.append(7 + step)
+        logits = runner.compute_logits(driver.decode([row, other], [seq[-1], short[-1]]))
+        if step % 6 == 5:
+            assert_rows_match(hf, logits, [seq, short], atol)
+
+
+@pytest.mark.parametrize("model", FAMILIES)
 def test_extend_on_top_of_a_prefix_in_the_pool_equals_transformers(model, request, make_runner):
     folder = request.getfixturevalue(f"tiny_{model}_dir")
     runner, hf = make_runner(folder), load_hf(folder)
     driver = RunnerDriver(runner, seed=3)
     a, b = driver.new_row(), driver.new_row()
+    atol = atol_of(model)
     first = PROMPTS[2][:5]
-    assert_rows_match(hf, runner.compute_logits(driver.extend([a], [first])), [first])
+    assert_rows_match(hf, runner.compute_logits(driver.extend([a], [first])), [first], atol)
     # row a continues after its 5 pooled tokens; row b is fresh, in the same batch
     rest, fresh = PROMPTS[2][5:], PROMPTS[0]
     logits = runner.compute_logits(driver.extend([a, b], [rest, fresh]))
-    assert_rows_match(hf, logits, [PROMPTS[2], fresh])
+    assert_rows_match(hf, logits, [PROMPTS[2], fresh], atol)
     # and decoding goes on from both
     logits = runner.compute_logits(driver.decode([a, b], [33, 44]))
-    assert_rows_match(hf, logits, [PROMPTS[2] + [33], fresh + [44]])
+    assert_rows_match(hf, logits, [PROMPTS[2] + [33], fresh + [44]], atol)
 
 
 def test_single_new_token_extend_with_prefix_equals_transformers(tiny_llama_dir, tiny_llama_hf, make_runner):

@@ -190,6 +190,32 @@ def test_qwen3_and_phi3_engines_equal_transformers_with_staggered_requests(model
     assert not partings, partings
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("model", ["gemma3", "gemma2", "mistral"])
+def test_sliding_window_engines_equal_transformers_with_chunks_cache_and_retraction(model, backend, request):
+    """Sliding-window families (window 16, tests/conftest.py) through the
+    real scheduler: prompts longer than the window prefilled in 32-token
+    chunks, later requests extending a cached prefix past the window, and a
+    pool small enough that rows are retracted and recomputed."""
+    folder = request.getfixturevalue(f"tiny_{model}_dir")
+    rng = random.Random(4)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, 512) for _ in range(n)]
+
+    shared = prompt(48)
+    arrivals = {0: [("a", shared + prompt(5), 24), ("b", prompt(40), 20)], 3: [("c", prompt(3), 30)],
+                8: [("d", shared + prompt(9), 20), ("e", shared[:40] + prompt(2), 25)]}
+    engine = Engine(folder, max_running_requests=4, max_total_tokens=128, page_size=4, chunked_prefill_size=32,
+                    attention_backend=backend)
+    engine.run(arrivals)
+    assert engine.sched.decode.total_retractions >= 1
+    assert sum(engine.reqs[r].cache_hit_tokens for r in "de") >= 32  # the shared prefix came from the cache
+    engine.assert_no_leak()
+    partings = check_against_transformers(engine, folder, arrivals)
+    assert not partings, partings
+
+
 def test_qwen3_bfloat16_on_the_native_backend_runs_the_modules_and_equals_transformers(tiny_qwen3_dir,
                                                                                      tiny_llama_dir):
     """The fused native decoder has no q/k-norm step: for Qwen3 it declines
