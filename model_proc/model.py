@@ -302,21 +302,38 @@ class LlamaForCausalLM(nn.Module):
         tensor by tensor (fusing q/k/v and gate/up, folding each RMSNorm weight
         into the next matmul), then prepare the matmuls for the device. Call
         after the model is on its device and dtype."""
-        def put(param: nn.Parameter | None, tensor: torch.Tensor, pad: bool = False) -> None:
-            """pad: the last rank's vocabulary slice may be short; its missing rows are zero."""
+        def put(param: nn.Parameter | None, tensor: torch.Tensor, name: str, pad: bool = False) -> None:
+            """name: the checkpoint tensor (the first, for a fused one) a wrong
+            shape is reported as; pad: the last rank's vocabulary slice may be
+            short, its missing rows are zero."""
             assert param is not None
             n = tensor.shape[0]
             if param.shape[1:] != tensor.shape[1:] or (n != param.shape[0] and not (pad and n < param.shape[0])):
-                raise ValueError(f"shape mismatch: {tuple(param.shape)} vs {tuple(tensor.shape)}")
+                raise ValueError(f"weight {name!r} has the wrong shape for the config: read {tuple(tensor.shape)}, "
+                                 f"need {tuple(param.shape)} (this rank's share)")
             param[:n].copy_(tensor)
             param[n:].zero_()
 
         cfg, hd = self.cfg, self.cfg.head_dim
 
-        def norm(name: str) -> torch.Tensor:
-            """A norm's weight as it scales: Gemma's 1 + w (in float32)."""
+        def norm(name: str, size: int = cfg.hidden_size, rounded_to: torch.dtype | None = None) -> torch.Tensor:
+            """A norm's weight as it scales: Gemma's 1 + w (in float32);
+            rounded_to: w first rounded to that dtype, as transformers holds it."""
             w = ckpt.read(name)
+            if tuple(w.shape) != (size,):
+                raise ValueError(f"weight {name!r} has the wrong shape for the config: read {tuple(w.shape)}, "
+                                 f"need {(size,)}")
+            if rounded_to is not None:
+                w = w.to(rounded_to)
             return w.float() + cfg.norm_weight_offset if cfg.norm_weight_offset else w
+
+        def check(name: str, *shape: int) -> str:
+            """The checkpoint tensor's whole shape is what the config implies
+            (checked before a shard of it is read, which would hide a wrong size)."""
+            got = tuple(ckpt.shape(name))
+            if got != shape:
+                raise ValueError(f"weight {name!r} has the wrong shape for the config: {got}, need {shape}")
+            return name
 
         def rows(name: str, start: int, end: int) -> torch.Tensor:
             return ckpt.read(name, 0, start, end)
@@ -324,8 +341,11 @@ class LlamaForCausalLM(nn.Module):
         def parts(names: list[str], fused: str, sizes: list[int], spans: list[tuple[int, int]]) -> torch.Tensor:
             """This rank's rows of each part, stacked: from the parts' own
             tensors, or (Phi-3) from the one tensor holding them end to end."""
+            cols = (cfg.hidden_size,) if names[0].endswith("weight") else ()
             if not cfg.fused_checkpoint:
-                return torch.cat([rows(name, a, b) for name, (a, b) in zip(names, spans)])
+                return torch.cat([rows(check(name, size, *cols), a, b)
+                                  for name, size, (a, b) in zip(names, sizes, spans)])
+            check(fused, sum(sizes), *cols)
             offsets = [sum(sizes[:i]) for i in range(len(sizes))]
             return torch.cat([rows(fused, off + a, off + b) for off, (a, b) in zip(offsets, spans)])
 
@@ -342,42 +362,48 @@ class LlamaForCausalLM(nn.Module):
                          [cfg.intermediate_size] * 2, [span, span])
 
         emb = self.embed_tokens
-        put(emb.weight, rows("model.embed_tokens.weight", emb.start, emb.end), pad=True)
+        check("model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size)
+        put(emb.weight, rows("model.embed_tokens.weight", emb.start, emb.end), "model.embed_tokens.weight", pad=True)
         head = self.lm_head
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        check(head_name, cfg.vocab_size, cfg.hidden_size)
         put(head.weight, fold_norm_weight(rows(head_name, head.start, head.end), norm("model.norm.weight")),
-            pad=True)
+            head_name, pad=True)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             a = f"{p}self_attn."
-            put(attn.qkv_proj.weight, fold_norm_weight(qkv(attn, a, "weight"),
-                                                       norm(f"{p}input_layernorm.weight")))
+            put(attn.qkv_proj.weight, fold_norm_weight(qkv(attn, a, "weight"), norm(f"{p}input_layernorm.weight")),
+                f"{a}q_proj.weight")
             if attn.qkv_proj.bias is not None:
-                put(attn.qkv_proj.bias, qkv(attn, a, "bias"))
+                put(attn.qkv_proj.bias, qkv(attn, a, "bias"), f"{a}q_proj.bias")
             if attn.qk_norm is not None:
-                q_norm, k_norm = norm(f"{a}q_norm.weight"), norm(f"{a}k_norm.weight")
-                put(attn.qk_norm, torch.cat([q_norm.expand(attn.num_heads, hd), k_norm.expand(attn.num_kv_heads, hd)]))
+                q_norm, k_norm = norm(f"{a}q_norm.weight", hd), norm(f"{a}k_norm.weight", hd)
+                put(attn.qk_norm, torch.cat([q_norm.expand(attn.num_heads, hd), k_norm.expand(attn.num_kv_heads, hd)]),
+                    f"{a}q_norm.weight")
             q0, q1 = attn.heads.q_start * hd, (attn.heads.q_start + attn.heads.num_heads) * hd
-            put(attn.o_proj.weight, ckpt.read(f"{a}o_proj.weight", 1, q0, q1))
+            check(f"{a}o_proj.weight", cfg.hidden_size, cfg.num_heads * hd)
+            put(attn.o_proj.weight, ckpt.read(f"{a}o_proj.weight", 1, q0, q1), f"{a}o_proj.weight")
             if attn.o_proj.bias is not None:  # rank 0 only: added once, before the all-reduce
-                put(attn.o_proj.bias, ckpt.read(f"{a}o_proj.bias"))
+                put(attn.o_proj.bias, ckpt.read(f"{a}o_proj.bias"), f"{a}o_proj.bias")
             m = f"{p}mlp."
             # Gemma's MLP input norm is pre_feedforward_layernorm; its
             # post_attention_layernorm normalizes the attention output
             mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
-            put(mlp.gate_up_proj.weight, fold_norm_weight(gate_up(mlp, m, "weight"), norm(f"{p}{mlp_norm}.weight")))
+            put(mlp.gate_up_proj.weight, fold_norm_weight(gate_up(mlp, m, "weight"), norm(f"{p}{mlp_norm}.weight")),
+                f"{m}gate_proj.weight")
             if cfg.sandwich_norms:  # w in the model's dtype, then 1 + w in float32, as transformers
                 dtype, device = emb.weight.dtype, emb.weight.device
                 layer.post_norms = torch.stack([
-                    ckpt.read(f"{p}{name}.weight").to(dtype).float() + cfg.norm_weight_offset
+                    norm(f"{p}{name}.weight", rounded_to=dtype)
                     for name in ("post_attention_layernorm", "post_feedforward_layernorm")]).to(device)
             if mlp.gate_up_proj.bias is not None:
-                put(mlp.gate_up_proj.bias, gate_up(mlp, m, "bias"))
+                put(mlp.gate_up_proj.bias, gate_up(mlp, m, "bias"), f"{m}gate_proj.bias")
+            check(f"{m}down_proj.weight", cfg.hidden_size, cfg.intermediate_size)
             put(mlp.down_proj.weight, ckpt.read(f"{m}down_proj.weight", 1, mlp.inter_start,
-                                                mlp.inter_start + mlp.inter))
+                                                mlp.inter_start + mlp.inter), f"{m}down_proj.weight")
             if mlp.down_proj.bias is not None:
-                put(mlp.down_proj.bias, ckpt.read(f"{m}down_proj.bias"))
+                put(mlp.down_proj.bias, ckpt.read(f"{m}down_proj.bias"), f"{m}down_proj.bias")
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for lin in linears:
             lin.prepare()

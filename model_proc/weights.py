@@ -188,7 +188,8 @@ class CheckpointReader:
     def _slice(self, name: str):  # safetensors' lazy slice of one tensor
         f = self._file_of.get(name)
         if f is None:
-            raise KeyError(f"weight {name!r} missing from the checkpoint")
+            # a ValueError: the model process reports it as "cannot start", one line
+            raise ValueError(f"weight {name!r} missing from the checkpoint")
         return f.get_slice(name)
 
 
