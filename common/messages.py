@@ -39,6 +39,9 @@ class GrammarKind(enum.Enum):
     JSON_ANY = "json"  # any JSON value (SGLang's json_schema "$$ANY$$"); text ""
     REGEX = "regex"
     EBNF = "ebnf"  # xgrammar's EBNF (GBNF-style, root rule `root`)
+    # xgrammar's structural tag (JSON text): free text and tagged regions, each tag's content
+    # constrained (tool calls: tokenizer_proc/tool_calls/)
+    STRUCTURAL_TAG = "structural_tag"
 
 
 class Grammar(msgspec.Struct, frozen=True):

@@ -13,6 +13,12 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from common.chat_templates import SHIPPED as SHIPPED_CHAT_TEMPLATES
+from common.chat_templates import shipped_template
+
+# --tool-call-parser's names (SGLang's); tokenizer_proc/tool_calls/ registers a parser for each
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "pythonic")
+
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -87,8 +93,12 @@ class ServerArgs:
     model_path: str = ""
     tokenizer_path: str = ""
     # the Jinja template of chat routes instead of the tokenizer's own (SGLang's and vLLM's
-    # flag): a file, or the template itself when it holds '{%' or '{{'
+    # flag): a file, a shipped template's name (common/chat_templates/), or the template
+    # itself when it holds '{%' or '{{'
     chat_template: str = ""
+    # how tool calls are read from the output (tokenizer_proc/tool_calls/); "": the one the
+    # chat template implies (hermes for ChatML)
+    tool_call_parser: str = ""
     served_model_name: str = ""
     context_length: int | None = None
     dtype: str = "auto"
@@ -181,9 +191,11 @@ class ServerArgs:
     def __post_init__(self) -> None:
         self.model_path = resolve_model_name(self.model_path)
         if self.chat_template and not is_inline_chat_template(self.chat_template) \
-                and not os.path.isfile(self.chat_template):
-            raise ValueError(f"--chat-template {self.chat_template!r}: no such file "
-                             "(a template given inline holds '{%' or '{{')")
+                and self.chat_template not in SHIPPED_CHAT_TEMPLATES and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat-template {self.chat_template!r}: no such file, nor a shipped template "
+                             f"({', '.join(SHIPPED_CHAT_TEMPLATES)}); a template given inline holds '{{%' or '{{{{'")
+        if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r}: one of {', '.join(TOOL_CALL_PARSERS)}")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
@@ -285,6 +297,8 @@ class ServerArgs:
         """--chat-template's Jinja source (the file's, or the value itself); None: the tokenizer's own."""
         if not self.chat_template or is_inline_chat_template(self.chat_template):
             return self.chat_template or None
+        if self.chat_template in SHIPPED_CHAT_TEMPLATES and not os.path.isfile(self.chat_template):
+            return shipped_template(self.chat_template)
         with open(self.chat_template, encoding="utf-8") as f:
             return f.read()
 
@@ -301,9 +315,13 @@ class ServerArgs:
         parser.add_argument("--tokenizer-path", default="",
                             help="default: the model's own tokenizer")
         parser.add_argument("--chat-template", default="",
-                            help="a Jinja chat template file (or the template itself, when it holds '{%%' "
-                                 "or '{{') that chat requests use instead of the tokenizer's own; "
+                            help="a Jinja chat template file, a shipped template's name "
+                                 f"({', '.join(SHIPPED_CHAT_TEMPLATES)}), or the template itself (when it "
+                                 "holds '{%%' or '{{') that chat requests use instead of the tokenizer's own; "
                                  "without one, a model whose tokenizer has none answers chat with HTTP 400")
+        parser.add_argument("--tool-call-parser", default="", choices=("",) + TOOL_CALL_PARSERS,
+                            help="how tool calls are read from the output (SGLang's names); default: the "
+                                 "format the chat template teaches (hermes for ChatML)")
         parser.add_argument("--served-model-name", default="")
         parser.add_argument("--context-length", type=int, default=None,
                             help="default: the model's max_position_embeddings")

@@ -288,6 +288,8 @@ class GrammarBackend:
             return compiler.compile_builtin_json_grammar()
         if grammar.kind is GrammarKind.REGEX:
             return compiler.compile_regex(grammar.text)
+        if grammar.kind is GrammarKind.STRUCTURAL_TAG:
+            return compiler.compile_structural_tag(grammar.text)
         return compiler.compile_grammar(grammar.text)
 
     def _get_compiler(self) -> Any:  # -> xgrammar.GrammarCompiler, this thread's

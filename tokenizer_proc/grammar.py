@@ -102,7 +102,7 @@ def limit_error(grammar: Grammar, limits: GrammarLimits) -> str | None:
     if len(text) > limits.max_chars:
         return (f"{name} is {len(text)} characters, over the limit of {limits.max_chars} "
                 "(--max-grammar-chars)")
-    if grammar.kind is GrammarKind.JSON_SCHEMA:
+    if grammar.kind in (GrammarKind.JSON_SCHEMA, GrammarKind.STRUCTURAL_TAG):
         try:
             schema = json.loads(text)
         except RecursionError:  # nested past the interpreter's own limit
@@ -227,6 +227,8 @@ def _parse_error(grammar: Grammar) -> str | None:
             xgr.Grammar.from_regex(grammar.text)
         elif grammar.kind is GrammarKind.EBNF:
             xgr.Grammar.from_ebnf(grammar.text)
+        elif grammar.kind is GrammarKind.STRUCTURAL_TAG:
+            xgr.Grammar.from_structural_tag(grammar.text)
     except Exception as e:  # xgrammar raises RuntimeError (and subclasses) with the reason
         message = _XGRAMMAR_PREFIX.sub("", str(e).strip())
         return f"invalid {grammar.kind.value}: {message}"

@@ -29,6 +29,8 @@ from tokenizer_proc.middlewares import read_body
 from tokenizer_proc.openai_protocol import OpenAIInput, check_chat_request, check_completion_request
 from tokenizer_proc.request_output import RequestOutput
 from tokenizer_proc.sse import stream_events
+from tokenizer_proc.tool_output import StreamedCalls, finish_reason_with_calls, message
+from tokenizer_proc.tools import check_tool_schemas
 from tokenizer_proc.validation import parse_json_object
 
 STARTED = int(time.time())
@@ -68,7 +70,14 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     tokenizer, info = request.app[TOKENIZER], request.app[MODEL_INFO]
     arrival = time.perf_counter()
     body = parse_json_object(await read_body(request))
-    pending = (check_chat_request if chat else check_completion_request)(body, info, request.app[PROMPT_CHAR_LIMIT])
+    args = request.app[SERVER_ARGS]
+    if chat:
+        parser = args.tool_call_parser or getattr(tokenizer, "implied_tool_parser", None)
+        pending = check_chat_request(body, info, request.app[PROMPT_CHAR_LIMIT], tool_parser=parser)
+        if pending.tools is not None:
+            await check_tool_schemas(pending.tools, args)
+    else:
+        pending = check_completion_request(body, info, request.app[PROMPT_CHAR_LIMIT])
     inp = pending.finish(await request.app[TOKENIZER_POOL].run(pending.encode, tokenizer))
     await check_grammars([spec.req.sampling_params.grammar for spec in inp.specs],
                          request.app[SERVER_ARGS])
@@ -167,16 +176,19 @@ class Shaper:
                     continue  # text held back (a split character or a possible stop string)
                 args = (k, out, delta, sent_lp[k], lp_end, reason)
                 if not too_large_for_the_loop(self.chunk_entries(k, sent_lp[k], lp_end)):
-                    yield self.delta_chunk(*args)
+                    chunk = self.delta_chunk(*args)
                 else:  # built off the event loop (an echoed long prompt's logprobs)
-                    yield await loop.run_in_executor(worker_pool(), self.encoded, self.delta_chunk, *args)
+                    chunk = await loop.run_in_executor(worker_pool(), self.encoded, self.delta_chunk, *args)
                 sent_text[k], sent_lp[k] = out.text_len, lp_end
+                if chunk is not None:  # None: the text is held back (a tool call's start, undecided)
+                    yield chunk
         if self.inp.include_usage:
             yield self.chunk([], usage=self.usage(gen.outputs))
 
     def delta_chunk(self, k: int, out: RequestOutput, delta: str, lp_start: int, lp_end: int,
-                    reason: str | None) -> dict[str, Any]:
-        return self.chunk([self.delta_choice(k, out, delta, lp_start, lp_end, reason)])
+                    reason: str | None) -> dict[str, Any] | None:
+        choice = self.delta_choice(k, out, delta, lp_start, lp_end, reason)
+        return None if choice is None else self.chunk([choice])
 
     # route-specific
     def opening_chunks(self, n: int) -> list[dict[str, Any]]:
@@ -186,7 +198,7 @@ class Shaper:
         raise NotImplementedError
 
     def delta_choice(self, k: int, out: RequestOutput, delta: str, lp_start: int, lp_end: int,
-                     reason: str | None) -> dict[str, Any]:
+                     reason: str | None) -> dict[str, Any] | None:
         raise NotImplementedError
 
 
@@ -272,6 +284,10 @@ class ChatShaper(Shaper):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, inp: OpenAIInput, model: str, texts: TokenTexts) -> None:
+        super().__init__(inp, model, texts)
+        self.streamed: dict[int, StreamedCalls] = {}  # with tools: per choice, its calls so far
+
     def _logprobs(self, out: RequestOutput, start: int, end: int) -> dict[str, Any] | None:
         if not self.inp.logprobs:
             return None
@@ -280,18 +296,32 @@ class ChatShaper(Shaper):
 
     def opening_chunks(self, n: int) -> list[dict[str, Any]]:
         # OpenAI opens each choice with the role and empty content.
-        return [self.chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
+        # (with tools null content, as the whole answer's is when there is none)
+        content = None if self.inp.tools is not None else ""
+        return [self.chunk([{"index": k, "delta": {"role": "assistant", "content": content},
                              "logprobs": None, "finish_reason": None}]) for k in range(n)]
 
     def choice(self, k: int, out: RequestOutput) -> dict[str, Any]:
-        return {"index": k, "message": {"role": "assistant", "content": out.text},
-                "logprobs": self._logprobs(out, 0, out.text_ids_len()),
-                "finish_reason": finish_reason(out), "matched_stop": _matched_stop(out)}
+        reason = finish_reason(out)
+        msg: dict[str, Any] = {"role": "assistant", "content": out.text}
+        if self.inp.tools is not None:
+            msg, reason = message(self.inp.tools, out.text, reason)
+        return {"index": k, "message": msg, "logprobs": self._logprobs(out, 0, out.text_ids_len()),
+                "finish_reason": reason, "matched_stop": _matched_stop(out)}
 
     def delta_choice(self, k: int, out: RequestOutput, delta: str, lp_start: int, lp_end: int,
-                     reason: str | None) -> dict[str, Any]:
-        choice = {"index": k, "delta": {"content": delta} if delta else {},
-                  "logprobs": self._logprobs(out, lp_start, lp_end), "finish_reason": reason}
+                     reason: str | None) -> dict[str, Any] | None:
+        logprobs = self._logprobs(out, lp_start, lp_end)
+        if self.inp.tools is None:
+            fields = {"content": delta} if delta else {}
+        else:
+            calls = self.streamed.setdefault(k, StreamedCalls(self.inp.tools))
+            fields = calls.delta(delta, done=reason is not None)
+            if reason is not None:
+                reason = finish_reason_with_calls(reason, calls.parsed)
+            elif not fields and logprobs is None:
+                return None
+        choice = {"index": k, "delta": fields, "logprobs": logprobs, "finish_reason": reason}
         if reason is not None:
             choice["matched_stop"] = _matched_stop(out)
         return choice

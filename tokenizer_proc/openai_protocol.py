@@ -2,8 +2,8 @@
 
 Lenient where OpenAI clients are noisy (unknown fields such as `user` or
 `metadata` are ignored, as SGLang and vLLM do), strict where a setting would
-change the answer: a feature we do not implement (tools, structural
-tags, ...) is refused with a 400 that names the field and why, rather than
+change the answer: a feature we do not implement (structural tags,
+the deprecated `functions`, ...) is refused with a 400 that names the field and why, rather than
 silently ignored. The field list is `sglang_fields.OPENAI_FIELDS`; SGLang's
 (and vLLM's) extras are taken too (`top_k`, `min_p`, `min_tokens`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `stop_regex`,
@@ -25,6 +25,7 @@ from tokenizer_proc.protocol import (MAX_N, MAX_OUTPUTS, check_fits_context, che
 from tokenizer_proc.request_spec import RequestSpec, fan_out_rids, seed_for_sample
 from tokenizer_proc.sglang_fields import OPENAI_FIELDS, check_fields
 from tokenizer_proc.tokenizer import NoChatTemplateError, Tokenizer
+from tokenizer_proc.tools import ToolRequest, assistant_tool_calls, tool_request, tool_result
 from tokenizer_proc.validation import (cache_namespace, check_bool, check_cache_salt, check_int, check_int_list,
                                        check_logit_bias, check_number, check_priority, check_prompt_chars, check_range,
                                        check_stop, check_stop_regex, check_timeout, is_int, optional)
@@ -50,6 +51,7 @@ class OpenAIInput:
     # echo with max_tokens 0: one token is generated (the server's minimum) and
     # none of it shown or counted: the answer is the prompt alone
     hide_output: bool = False
+    tools: ToolRequest | None = None  # chat with tools that may be called: the output is parsed for calls
 
 
 def _refuse_unless_default(body: dict[str, Any]) -> None:
@@ -129,7 +131,8 @@ class PendingOpenAI:
     timeout: float | None
     priority: int
     prompts: list[Any] = field(default_factory=list)  # completions: str or ids, as sent
-    messages: list[dict[str, str]] | None = None  # chat, unless input_ids is given
+    messages: list[dict[str, Any]] | None = None  # chat, unless input_ids is given
+    tools: ToolRequest | None = None
     echo: bool = False
     hide_output: bool = False
 
@@ -137,8 +140,10 @@ class PendingOpenAI:
         """Each prompt's ids and text (echo's: as sent, or the ids decoded)."""
         vocab = self.info.vocab_size
         if self.messages is not None:
+            shown = self.tools is not None and self.tools.active  # "none": the tools are not shown
             try:
-                ids = tokenizer.apply_chat_template(self.messages)
+                ids = tokenizer.apply_chat_template(self.messages, tools=self.tools.raw) if shown \
+                    else tokenizer.apply_chat_template(self.messages)
             except NoChatTemplateError as e:
                 raise BadRequestError(str(e)) from None
             except Exception as e:  # the template's own checks (role order, ...) are client errors
@@ -165,6 +170,10 @@ class PendingOpenAI:
             max_tokens = _max_tokens(body, self.default_max_tokens if self.default_max_tokens else max(limit, 1))
             check_fits_context(len(ids), max_tokens, info.context_len, "max_tokens")
             sp = _sampling(body, max_tokens, info.vocab_size)
+            if self.tools is not None and self.tools.active:
+                sp.grammar = self.tools.grammar()
+                if self.tools.parser.needs_special_tokens:  # its trigger is a special token
+                    sp.skip_special_tokens = False
             for k in range(n):
                 sample = SamplingParams(**{f: getattr(sp, f) for f in sp.__struct_fields__})
                 sample.seed = seed_for_sample(sp.seed, k)
@@ -178,7 +187,8 @@ class PendingOpenAI:
                                          group=request_id if len(prompts) * n > 1 else None))
         inp = OpenAIInput(request_id=request_id, specs=specs, prompt_tokens=sum(len(p) for p in prompts),
                           stream=self.stream, include_usage=self.include_usage, logprobs=self.logprobs,
-                          top_logprobs=self.top_logprobs)
+                          top_logprobs=self.top_logprobs,
+                          tools=self.tools if self.tools is not None and self.tools.active else None)
         if self.echo:
             inp.echo, inp.hide_output = True, self.hide_output
             inp.echo_texts = [text for _, text in encoded for _ in range(n)]
@@ -296,22 +306,35 @@ def _message_text(content: Any, k: int) -> str:
     raise BadRequestError(f"messages[{k}].content must be a string or a list of text parts")
 
 
-def chat_messages(messages: Any) -> list[dict[str, str]]:
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """The messages for the template: role and text content; an assistant's
+    tool_calls and a tool result's call id (which must be an earlier call's)."""
     if not isinstance(messages, list) or not messages:
         raise BadRequestError("messages must be a non-empty list")
-    out = []
+    out: list[dict[str, Any]] = []
+    calls: dict[str, str] = {}  # the history's tool call ids -> function names
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequestError(f"messages[{k}] must be an object with a string role")
-        if m["role"] not in ("system", "developer", "user", "assistant"):
+        if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
             raise BadRequestError(f"messages[{k}].role {m['role']!r} is not supported")
         role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name
-        out.append({"role": role, "content": _message_text(m.get("content"), k)})
+        content = _message_text(m.get("content"), k)
+        if role == "tool":
+            out.append(tool_result(m, k, calls, content))
+        elif role == "assistant" and m.get("tool_calls"):
+            out.append({"role": role, "content": content,
+                        "tool_calls": assistant_tool_calls(m["tool_calls"], k, calls)})
+        else:
+            out.append({"role": role, "content": content})
     return out
 
 
-def check_chat_request(body: dict[str, Any], info: ModelInfo, char_limit: int | None = None) -> PendingOpenAI:
+def check_chat_request(body: dict[str, Any], info: ModelInfo, char_limit: int | None = None,
+                       tool_parser: str | None = "hermes") -> PendingOpenAI:
+    """`tool_parser`: the server's tool-call format (None: it cannot read calls)."""
     messages = chat_messages(body.get("messages"))
+    tools = tool_request(body, tool_parser)
     ids = None
     if body.get("input_ids") is not None:  # SGLang's: the prompt's ids, instead of the template
         ids = body["input_ids"]
@@ -329,6 +352,7 @@ def check_chat_request(body: dict[str, Any], info: ModelInfo, char_limit: int | 
     if optional(body, "echo", check_bool, False):
         raise BadRequestError("echo is not supported on chat completions (only on /v1/completions)")
     pending = _check_common(body, 1, info, "chatcmpl", None, logprobs=logprobs, top_logprobs=top)
+    pending.tools = tools
     if ids is None:
         pending.messages = messages
     else:

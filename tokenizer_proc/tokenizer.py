@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
+from common.chat_templates import SHIPPED, implied_parser, tool_template_for
 from common.tokenizer_files import find_tokenizer, load_hf_tokenizer
 
 T = TypeVar("T")
@@ -27,11 +28,21 @@ NO_CHAT_TEMPLATE = ("this model has no chat template (its tokenizer carries none
                     "--chat-template FILE, or send the prompt as text to /v1/completions or /generate")
 
 
-class NoChatTemplateError(ValueError):
-    """A chat request to a model without a chat template: the client's to fix (HTTP 400)."""
+NO_TOOL_TEMPLATE = ("this model's chat template does not render tools, and no template this server ships fits "
+                    f"its family: start the server with --chat-template FILE (or one of {', '.join(SHIPPED)})")
 
-    def __init__(self) -> None:
-        super().__init__(NO_CHAT_TEMPLATE)
+
+class NoChatTemplateError(ValueError):
+    """A chat request to a model without a chat template (or, with tools, without
+    one that renders them): the client's to fix (HTTP 400)."""
+
+    def __init__(self, message: str = NO_CHAT_TEMPLATE) -> None:
+        super().__init__(message)
+
+
+def uses_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
+    """The request needs a template that renders tools: tools given, or calls in its history."""
+    return bool(tools) or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
 
 
 class Tokenizer(Protocol):
@@ -47,8 +58,13 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Prompt ids for a chat, ending with the assistant's turn opener."""
+    # the parser of the tool-call format the chat template teaches (hermes, ...), or None
+    implied_tool_parser: str | None
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Prompt ids for a chat, ending with the assistant's turn opener; with
+        `tools` (OpenAI's tool objects) the template lists them."""
         ...
 
 
@@ -90,6 +106,9 @@ class HFTokenizer:
         if chat_template:
             self.tok.chat_template = chat_template
             _check_template_syntax(self.tok)
+        own = getattr(self.tok, "chat_template", None)
+        self.tool_template = tool_template_for(own if isinstance(own, str) else None)
+        self.implied_tool_parser = implied_parser(self.tool_template)
         self.vocab_size = len(self.tok)  # includes added (special) tokens
         self.eos_token_ids = _eos_ids(self.tok.eos_token_id, path)
         # byte-level entries have a character per byte, so this bounds the
@@ -103,13 +122,19 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not getattr(self.tok, "chat_template", None):
             raise NoChatTemplateError()
+        extra: dict[str, Any] = {}
+        if uses_tools(messages, tools):
+            if self.tool_template is None:
+                raise NoChatTemplateError(NO_TOOL_TEMPLATE)
+            extra = {"chat_template": self.tool_template, "tools": tools or None}
         # Render to text and encode without special tokens: the template already
         # writes any BOS itself. (tokenize=True returns a BatchEncoding in
         # transformers 5 and a list in 4; text works in both.)
-        prompt = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         return list(self.tok.encode(prompt, add_special_tokens=False))
 
 
@@ -147,6 +172,7 @@ class SentencePieceTokenizer:
         self.bos_id: int = self.sp.bos_id()  # -1 when the model has none
         self.eos_token_ids = [self.sp.eos_id()] if self.sp.eos_id() >= 0 else []
         self.max_token_chars = max(len(self.sp.id_to_piece(i)) for i in range(self.vocab_size))
+        self.implied_tool_parser: str | None = None
 
     def encode(self, text: str) -> list[int]:
         return self._bos() + self.sp.encode(text)
@@ -181,10 +207,13 @@ class SentencePieceTokenizer:
                 parts.append(self.sp.id_to_piece(i))
         return "".join(parts)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Llama 2's [INST] format: each finished exchange is
         `<s>[INST] user [/INST] answer </s>`; a system prompt goes inside the
-        first user turn."""
+        first user turn. It has no tools."""
+        if uses_tools(messages, tools):
+            raise NoChatTemplateError(NO_TOOL_TEMPLATE)
         msgs = [dict(m) for m in messages]
         if msgs and msgs[0].get("role") == "system":
             system = msgs.pop(0)["content"]
