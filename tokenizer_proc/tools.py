@@ -62,7 +62,7 @@ class ToolRequest:
         return Grammar(GrammarKind.STRUCTURAL_TAG, json.dumps(tag, separators=(",", ":")))
 
     def new_parser(self) -> ToolCallParser:
-        return self.parser()
+        return self.parser([t.name for t in self.callable_tools()])
 
 
 def _tool(k: int, tool: Any) -> tuple[ToolSpec, dict[str, Any]]:

@@ -247,7 +247,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text parts"),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x"}]}, "chat template"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "logprobs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),

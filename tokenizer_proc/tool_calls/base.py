@@ -100,12 +100,15 @@ class ToolCallParser(ABC):
     gap: ClassVar[str] = " \t\r\n"  # characters between calls (and before the first): never content
     kept_triggers: ClassVar[tuple[str, ...]] = ()  # triggers that are the call's own first characters
 
-    def __init__(self) -> None:
+    def __init__(self, tool_names: list[str] | None = None) -> None:
+        self.tool_names = tool_names  # the request's functions (None: any name)
         self.buf = ""  # text not yet decided
         self.in_call = False  # after a trigger, until the call (or calls) it opened end
         self.calls = 0  # calls started
         self.after_call = False  # no content since the last call
         self.shown = False  # some content was emitted
+        self.region_first_call = 0  # self.calls when the current trigger was met
+        self.region_ends_in_text = False  # the current region's last event was text
         self.cut = False  # finish() met an unfinished call
 
     # ---- the caller's side ----------------------------------------------------------
@@ -137,9 +140,14 @@ class ToolCallParser(ABC):
                 consumed, out, done = self.read_call(self.buf, final)
                 self.buf = self.buf[consumed:]
                 events += out
+                if out:
+                    self.region_ends_in_text = isinstance(out[-1], Text)
+                    if any(isinstance(e, Text) for e in out):
+                        self.shown = True  # the region was not a call after all (or not all of it)
                 if not done:
                     return events
-                self.in_call, self.after_call = False, True
+                self.in_call = False
+                self.after_call = self.calls > self.region_first_call and not self.region_ends_in_text
                 continue
             pos, length, kept = self.find_trigger(self.buf)
             if pos < 0:
@@ -148,6 +156,7 @@ class ToolCallParser(ABC):
             self._decide_text(events, pos, before_call=True)
             self.buf = self.buf[0 if kept else length:]
             self.in_call = True
+            self.region_first_call, self.region_ends_in_text = self.calls, False
             self.on_trigger()
 
     def _decide_text(self, events: list[Event], end: int, before_call: bool) -> None:

@@ -25,6 +25,7 @@ class MistralParser(ToolCallParser):
     def on_trigger(self) -> None:
         self.opened = False  # the list's "[" was read
         self.reader: JsonCallReader | None = None  # the call being read
+        self.between = False  # after a call, before its "," or "]"
 
     def read_call(self, text: str, final: bool) -> tuple[int, list[Event], bool]:
         pos, events = 0, []
@@ -38,13 +39,15 @@ class MistralParser(ToolCallParser):
                 pos, self.opened = m.end(), True
             if self.reader is None:
                 self.reader = JsonCallReader(self)
-            used, out, outcome = self.reader.read(text[pos:], final)
-            pos += used
-            events += out
-            if outcome is Outcome.RUNNING:
-                return pos, events, False
-            if outcome is Outcome.NOT_CALL:
-                return pos, events + [Text(self.reader.raw)], True
+            if not self.between:
+                used, out, outcome = self.reader.read(text[pos:], final)
+                pos += used
+                events += out
+                if outcome is Outcome.RUNNING:
+                    return pos, events, False
+                if outcome is Outcome.NOT_CALL:
+                    return pos, events + [Text(self.reader.raw)], True
+                self.between = True  # a call was read: "," or "]" next
             m = _NEXT.match(text, pos)
             if m is None:
                 if not final and _NEXT.match(text, pos, partial=True) is not None:
@@ -53,7 +56,7 @@ class MistralParser(ToolCallParser):
             pos = m.end()
             if m.group(1) == "]":
                 return pos, events, True
-            self.reader = JsonCallReader(self)  # "," : the next call
+            self.reader, self.between = JsonCallReader(self), False  # "," : the next call
 
     @classmethod
     def structural_tag(cls, tools: list[ToolSpec], forced: bool, parallel: bool) -> dict[str, Any]:

@@ -19,7 +19,6 @@ import regex
 from tokenizer_proc.tool_calls.base import CallArgs, CallEnd, Event, Text, ToolCallParser
 from tokenizer_proc.tool_calls.spec import ToolSpec
 
-_TRIGGER = regex.compile(r"\[\s*[A-Za-z_][\w.]*\(")
 _JSON_NAMES = {"true": True, "false": False, "null": None}
 
 
@@ -55,14 +54,21 @@ class PythonicParser(ToolCallParser):
     name = "pythonic"
     triggers = ("[",)  # with a name and "(" after it (find_trigger)
 
+    def __init__(self, tool_names: list[str] | None = None) -> None:
+        super().__init__(tool_names)
+        # with the request's functions known, only a list opening with one of them is a call (as
+        # the grammar for "auto" has it); else any name
+        names = "|".join(regex.escape(n) for n in tool_names) if tool_names else r"[A-Za-z_][\w.]*"
+        self.trigger = regex.compile(rf"\[\s*(?:{names})\(")
+
     def find_trigger(self, text: str) -> tuple[int, int, bool]:
-        m = _TRIGGER.search(text)
+        m = self.trigger.search(text)
         return (m.start(), 0, True) if m else (-1, 0, False)
 
     def _undecided_from(self, text: str) -> int:
         start = text.rfind("[")
         while start >= 0:
-            if _TRIGGER.fullmatch(text, start, partial=True):
+            if self.trigger.fullmatch(text, start, partial=True):
                 return start
             start = text.rfind("[", 0, start)
         return len(text)
