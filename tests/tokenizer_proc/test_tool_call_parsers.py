@@ -46,6 +46,10 @@ RECORDED = [
              "Done, <tool!", [("get_time", {"tz": "UTC"})]),
     Recorded("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', "Sure.",
              [("get_weather", {})], cut=True),
+    # a raw tab inside a string (xgrammar lets one through where a schema bounds the length):
+    # escaped, so the arguments are strict JSON
+    Recorded("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"tz": "to_\tdate", "n": ["\\"\x01"]}}\n'
+             "</tool_call>", "", [("get_time", {"tz": "to_\tdate", "n": ['"\x01']})]),
     Recorded("qwen25", 'Checking…\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n',
              "Checking…", [("get_time", {})]),
     Recorded("llama3", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',

@@ -21,6 +21,34 @@ from tokenizer_proc.tool_calls.base import CallArgs, CallEnd, Event, ToolCallPar
 _HEAD = regex.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\\n]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 _TAIL = regex.compile(r"\s*\}")
 _SPACE = " \t\r\n"
+_CONTROL = {chr(c): json.dumps(chr(c))[1:-1] for c in range(0x20)}
+
+
+def escape_controls(fragment: str, scanner: JsonValueScanner) -> str:
+    """`fragment` (just scanned) with the raw control characters inside its
+    strings written as JSON escapes. xgrammar's string rule for a schema with
+    minLength/maxLength lets a tab or other control character through, which
+    strict JSON parsers (Python's, the clients') refuse; escaped, the value
+    is the one the model wrote."""
+    if not scanner.control:
+        return fragment
+    scanner.control = False
+    out, in_string, escaped = [], scanner.entry_in_string, scanner.entry_escaped
+    for ch in fragment:
+        if in_string and ch < " ":
+            out.append(_CONTROL[ch])
+            continue
+        out.append(ch)
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+    return "".join(out)
 
 
 class JsonValueScanner:
@@ -34,12 +62,19 @@ class JsonValueScanner:
         self.started = False
         self.scalar = False  # a number or a literal: it ends at a delimiter
         self.done = False
+        self.control = False  # a raw control character was met inside a string
+        self.entry_in_string = self.entry_escaped = False  # the string state where the last scan began
+
+    def mark(self) -> None:
+        self.entry_in_string, self.entry_escaped = self.in_string, self.escaped
 
     def scan(self, text: str) -> int:
         """How many characters of `text` belong to the value (all of them
         unless it ends inside)."""
         for i, ch in enumerate(text):
             if self.in_string:
+                if ch < " ":
+                    self.control = True
                 if self.escaped:
                     self.escaped = False
                 elif ch == "\\":
@@ -118,9 +153,10 @@ class JsonCallReader:
             if not self.scanner.started:
                 rest = text[pos:]
                 pos += len(rest) - len(rest.lstrip(_SPACE))
+            self.scanner.mark()
             taken = self.scanner.scan(text[pos:])
             if taken:
-                events.append(CallArgs(self.index, text[pos:pos + taken]))
+                events.append(CallArgs(self.index, escape_controls(text[pos:pos + taken], self.scanner)))
             pos += taken
             if not self.scanner.done and not (final and self.scanner.scalar):
                 return pos, events, Outcome.RUNNING
@@ -150,7 +186,7 @@ class JsonCallReader:
         if not self.scanner.done:  # at the end of the output too: a cut call, not text
             return consumed, [], Outcome.RUNNING
         try:
-            value = json.loads(self.raw)
+            value = json.loads(self.raw, strict=False)  # control characters in strings: see escape_controls
         except ValueError:
             value = None
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
