@@ -201,3 +201,27 @@ def test_bad_tool_requests_are_400s_beside_a_request_in_flight(server: ServerPro
             assert r.status_code == 400 and expect in r.json()["error"]["message"], r.text
         got = in_flight.result(timeout=120)
     assert got.finish_reason == "tool_calls" and len(valid_calls(got.message)) == 1
+
+
+def test_an_openai_agents_loop_calls_the_tool_and_answers(server: ServerProcess) -> None:
+    """The `openai-agents` SDK (the `test` extra) drives the server as an agent
+    framework does: a forced call, the tool run, its result sent back, an answer."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    cities: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        cities.append(city)
+        return f"sunny and 21 degrees in {city}"
+
+    model = agents.OpenAIChatCompletionsModel(
+        model="m", openai_client=openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0))
+    agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
+                         model=model, model_settings=agents.ModelSettings(tool_choice="required", max_tokens=40,
+                                                                          temperature=0))
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert len(cities) >= 1 and all(isinstance(c, str) and c for c in cities)
+    assert isinstance(result.final_output, str) and result.final_output
+    assert not any(m in result.final_output for m in MARKUP)
