@@ -14,12 +14,14 @@ batch size B, B such requests are sent at once in two cases that take turns,
   the answer;
 - `free`: the same prompt ids (SGLang's `input_ids` on the chat route), no
   tools and no grammar, --free-tokens tokens with ignore_eos.
-A case's figure is its decode rate: the batch's completion tokens over its
-wall time (prompts are served from the prefix cache after the first round:
-what remains is decode), the median over the rounds; `ratio` is required's
-per-token time over free's. Every `required` answer is checked: one call,
-its arguments valid JSON. The first `required` request (the grammar's cold
-compile) is timed apart, beside a warm one.
+Requests are streamed with logprobs (a chunk per token, even one the tool
+parser holds back); a case's figure is its median inter-token latency (ITL)
+over every token of every request of every round: the decode step as a
+user sees it, whatever the answers' lengths; `ratio` is required's over
+free's. Every `required` answer is checked: one call, its arguments valid
+JSON. The first `required` request on the fresh server (xgrammar's
+vocabulary loaded, then the grammar compiled) is timed apart, beside the
+same request again.
 
 Output: its record bench/results/latest/tool_call_cost.json and bench/RESULTS.md (rendered again);
 --no-write: stdout only
@@ -104,22 +106,42 @@ def check_call(answer: dict[str, Any]) -> None:
     json.loads(calls[0]["function"]["arguments"])
 
 
-def run_batch(url: str, case: str, b: int, ids: list[int], free_tokens: int, seed: int) -> tuple[float, int]:
-    """(wall seconds, completion tokens) of B requests sent at once."""
+def streamed_gaps(url: str, payload: dict[str, Any]) -> tuple[list[float], dict[str, Any]]:
+    """The gaps between a streamed answer's tokens (logprobs on: a chunk per
+    token, even one the tool parser holds back), and its calls and finish."""
+    payload = {**payload, "stream": True, "logprobs": True}
+    times: list[float] = []
+    args, finish = "", None
+    with requests.post(url + "/v1/chat/completions", json=payload, stream=True, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                if choice.get("logprobs"):
+                    times.append(time.perf_counter())
+                for call in choice["delta"].get("tool_calls") or []:
+                    args += call["function"].get("arguments", "")
+                finish = choice.get("finish_reason") or finish
+    return [b - a for a, b in zip(times, times[1:])], {"arguments": args, "finish_reason": finish}
+
+
+def run_batch(url: str, case: str, b: int, ids: list[int], free_tokens: int, seed: int) -> list[float]:
+    """The inter-token gaps of B requests sent at once."""
     payloads = [body(case, ids, free_tokens, seed + k) for k in range(b)]
-    start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(b) as pool:
-        answers = list(pool.map(lambda p: one(url, p), payloads))
-    wall = time.perf_counter() - start
+        answers = list(pool.map(lambda p: streamed_gaps(url, p), payloads))
     if case == "required":
-        for a in answers:
-            check_call(a)
-    return wall, sum(a["usage"]["completion_tokens"] for a in answers)
+        for _, end in answers:
+            assert end["finish_reason"] == "tool_calls", end
+            json.loads(end["arguments"])
+    return [gap for gaps, _ in answers for gap in gaps]
 
 
 def report(command: str, rows: list[list[str]], cold: tuple[float, float], rounds: int,
            load: tuple[list[float], list[float]]) -> str:
-    header = ["B", "required tok/s", "free tok/s", "required ms/token", "free ms/token", "ratio"]
+    header = ["B", "required ITL ms", "free ITL ms", "ratio", "required tok/s", "free tok/s"]
     table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                       + ["| " + " | ".join(r) + " |" for r in rows])
     start, end = (" / ".join(f"{x:.1f}" for x in la) for la in load)
@@ -128,11 +150,12 @@ def report(command: str, rows: list[list[str]], cold: tuple[float, float], round
             f"Default model (SmolLM2-135M), server defaults plus --max-running-requests the largest B, "
             f"{platform.machine()}, {os.cpu_count()} cores; load average (1/5/15 min) {start} at the start, "
             f"{end} at the end. A chat turn with 8 tools in its prompt (shipped chatml-tools template), B requests "
-            f"at once; `required`: tool_choice \"required\", one call, every token masked by the tools' "
-            f"structural tag; `free`: the same prompt ids, no grammar, ignore_eos. tok/s = the batch's completion "
-            f"tokens / its wall time, median of {rounds} rounds, the cases taking turns; ratio = required "
-            f"ms/token / free ms/token. The grammar's cold compile (the first required request alone, "
-            f"then the same warm): {cold[0]:.2f} s against {cold[1]:.2f} s.\n\n{table}\n")
+            f"at once, streamed; `required`: tool_choice \"required\", one call, every token masked by the tools' "
+            f"structural tag; `free`: the same prompt ids, no grammar, ignore_eos. ITL = the median gap between "
+            f"a request's streamed tokens, over every token of every request of {rounds} rounds, the cases "
+            f"taking turns; ratio = required ITL / free ITL; tok/s = B / ITL, the batch's decode rate. The first "
+            f"request with a grammar on a fresh server (it loads xgrammar's vocabulary, then compiles) took "
+            f"{cold[0]:.2f} s, the same request again (compiled grammar cached) {cold[1]:.2f} s.\n\n{table}\n")
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -159,15 +182,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         cold_pair = (cold, time.perf_counter() - start)
         rows, results = [], []
         for b in args.batches:
-            rates: dict[str, list[float]] = {"required": [], "free": []}
+            gaps: dict[str, list[float]] = {"required": [], "free": []}
             for r in range(args.rounds):
                 for case in ("required", "free"):
-                    wall, tokens = run_batch(url, case, b, ids, args.free_tokens, 1000 * r)
-                    rates[case].append(tokens / wall)
-            req, free = (statistics.median(rates[c]) for c in ("required", "free"))
-            rows.append([str(b), f"{req:.1f}", f"{free:.1f}", f"{1e3 / req:.1f}", f"{1e3 / free:.1f}",
-                         f"{free / req:.2f}x"])
-            results.append({"batch": b, "required_tok_s": req, "free_tok_s": free, "ratio": free / req})
+                    gaps[case] += run_batch(url, case, b, ids, args.free_tokens, 1000 * r)
+            req, free = (statistics.median(gaps[c]) for c in ("required", "free"))
+            rows.append([str(b), f"{1e3 * req:.1f}", f"{1e3 * free:.1f}", f"{req / free:.2f}x",
+                         f"{b / req:.1f}", f"{b / free:.1f}"])
+            results.append({"batch": b, "required_itl_ms": 1e3 * req, "free_itl_ms": 1e3 * free,
+                            "ratio": req / free})
             print(" ".join(rows[-1]), flush=True)
     finally:
         if server is not None:

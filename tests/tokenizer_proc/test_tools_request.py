@@ -209,3 +209,16 @@ def test_a_call_cut_by_max_tokens_is_not_a_tool_call(app: Server, client: openai
 def test_without_tools_the_same_text_is_plain_content(client: openai.OpenAI) -> None:
     whole = client.chat.completions.create(model="m", messages=ASK, max_tokens=200)
     assert whole.choices[0].message.content == RECORDED and whole.choices[0].finish_reason == "stop"
+
+
+def test_a_shipped_template_is_taken_by_name_and_the_parser_flag_by_its_names(hf_folder: Path) -> None:
+    args = ServerArgs(model_path="unused", chat_template="chatml-tools", tool_call_parser="llama3")
+    tok = load_tokenizer(str(hf_folder), args.chat_template_text())
+    text = tok.decode(tok.apply_chat_template(ASK), skip_special_tokens=False)
+    assert text == "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"  # no default system turn
+    assert tok.implied_tool_parser == "hermes"  # what the template teaches; the flag wins over it
+    req = tool_request({"tools": [WEATHER], "tool_choice": "required"}, args.tool_call_parser)
+    assert req.parser.name == "llama3"
+    assert json.loads(req.grammar().text)["format"]["tags"][0]["begin"] == '{"name": "get_weather", "parameters": '
+    with pytest.raises(ValueError, match="--tool-call-parser 'xml': one of hermes, qwen25, llama3, mistral, pythonic"):
+        ServerArgs(model_path="unused", tool_call_parser="xml")
