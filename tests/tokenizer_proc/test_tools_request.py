@@ -222,3 +222,26 @@ def test_a_shipped_template_is_taken_by_name_and_the_parser_flag_by_its_names(hf
     assert json.loads(req.grammar().text)["format"]["tags"][0]["begin"] == '{"name": "get_weather", "parameters": '
     with pytest.raises(ValueError, match="--tool-call-parser 'xml': one of hermes, qwen25, llama3, mistral, pythonic"):
         ServerArgs(model_path="unused", tool_call_parser="xml")
+
+
+def test_the_stream_has_openais_delta_shape(app: Server) -> None:
+    from tests.tokenizer_proc.server_harness import post, sse_events
+
+    status, _, raw = post(app, {"messages": ASK, "tools": [WEATHER, TIME], "stream": True, "max_tokens": 200},
+                          "/v1/chat/completions")
+    assert status == 200
+    chunks = [e for e in sse_events(raw) if e != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": None}
+    entries = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    seen: set[int] = set()
+    for tc in entries:
+        if tc["index"] not in seen:  # a call's first delta: index, id, type, name, arguments so far
+            seen.add(tc["index"])
+            assert set(tc) == {"index", "id", "type", "function"} and tc["type"] == "function"
+            assert set(tc["function"]) == {"name", "arguments"}
+        else:  # later: argument fragments only
+            assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
+    assert seen == {0, 1}
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me check."
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
