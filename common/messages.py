@@ -326,6 +326,10 @@ class ForwardBatch(msgspec.Struct, tag=True):
     # its own; the table rewrite above already maps its positions to dst.
     kv_copy_src: list[int] = []
     kv_copy_dst: list[int] = []
+    # A model with a window pool (scheduler_proc/window_pool.py): pages of it
+    # paired with full-pool pages since the last step, flattened (full page,
+    # window page, ...), applied in order before the copies above
+    window_pages: list[int] = []
     penalty_rows: list[int] = []
     penalty_inits: list[PenaltyInit] = []
     # Prompt logprobs (extend only), for the rows that asked for them: row
@@ -383,6 +387,10 @@ class ModelInfo(msgspec.Struct):
     device: str
     kv_cache_bytes: int
     cpu_threads: int = 0  # the model process's OpenMP threads on a CPU (0 on a GPU)
+    # sliding-window layers' own pool (0: none, they are in the full pool): its
+    # slots, and the largest window of the model's layers
+    window_pool_tokens: int = 0
+    sliding_window: int = 0
 
 
 class ReadyMsg(msgspec.Struct, tag=True):

@@ -117,6 +117,11 @@ class ServerArgs:
     # the prefix cache shares whole pages only
     page_size: int = 16
     mem_fraction_static: float | None = None  # weights + KV share of device memory (model_proc/kv_cache.py)
+    # sliding-window layers (Gemma 2/3, Mistral) keep their KV in a pool of their own, a token's
+    # slot there only while a query can see it (scheduler_proc/window_pool.py): its size as a
+    # share of the full pool's tokens (SGLang's flag and default); off: one pool, as a plain model
+    swa_full_tokens_ratio: float = 0.8
+    disable_hybrid_swa_memory: bool = False
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 1024  # -1 disables chunking
     max_consecutive_prefill_batches: int = 2  # prefill batches before a decode step must run
@@ -192,6 +197,8 @@ class ServerArgs:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, not {self.page_size}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError(f"--swa-full-tokens-ratio must be in (0, 1], not {self.swa_full_tokens_ratio}")
         if self.max_prefill_tokens < 1:
             raise ValueError("--max-prefill-tokens must be >= 1")
         if self.stream_interval < 1:
@@ -353,6 +360,12 @@ class ServerArgs:
                             help="share of the device's memory for weights + KV cache, which sizes the "
                                  "pool when --max-total-tokens is not given; default 0.88 on a GPU, and on a "
                                  "CPU a quarter of the available RAM for the KV cache")
+        parser.add_argument("--swa-full-tokens-ratio", type=float, default=d["swa_full_tokens_ratio"].default,
+                            help="a model with sliding-window layers: their KV pool's tokens as a share of "
+                                 "the full pool's (it grows to what max-running-requests windows need)")
+        parser.add_argument("--disable-hybrid-swa-memory", action="store_true",
+                            help="sliding-window layers keep every token's KV in the one pool, as a plain "
+                                 "model's layers do")
         parser.add_argument("--max-prefill-tokens", type=int,
                             default=d["max_prefill_tokens"].default)
         parser.add_argument("--chunked-prefill-size", type=int,

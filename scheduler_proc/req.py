@@ -53,6 +53,7 @@ class Req:
     cached_prefix_len: int = 0
     last_node: Any = None
     table_sync_len: int = 0  # the model's req_to_token row must get our first N slots
+    window_from: int = 0  # with a window pool: its tokens before this have no window pages any more
     cache_hit_tokens: int = 0  # prompt tokens taken from the cache, not computed (reported as cached_tokens)
     already_computed: int = 0  # tokens this request has computed itself, at most
     pending_tokens: int = 0  # sampled in steps still in flight (overlap): the model has them

@@ -63,6 +63,7 @@ class ScheduleBatch:
     # KV rows the model copies before the step (ForwardBatch.kv_copy_src/dst)
     kv_copy_src: list[int] = field(default_factory=list)
     kv_copy_dst: list[int] = field(default_factory=list)
+    window_pages: list[int] = field(default_factory=list)  # ForwardBatch.window_pages
     # prompt logprobs this extend computes (see ForwardBatch)
     input_logprob_rows: list[int] = field(default_factory=list)
     input_logprob_starts: list[int] = field(default_factory=list)
@@ -138,6 +139,7 @@ class ScheduleBatch:
             dtype=torch.int64)
         self.collect_table_rewrites(cache)
         self.kv_copy_src, self.kv_copy_dst = cache.take_kv_copies(self.reqs)
+        self.window_pages = cache.take_window_pages()
         # a row's penalty state is built from the request's tokens at its first
         # extend since admission (a cached prefix is not recomputed, and a
         # retracted request comes back with its output so far)
@@ -181,6 +183,7 @@ class ScheduleBatch:
         locs = cache.alloc_decode(self.reqs)
         if locs is None:
             raise OutOfKVSlots(f"cannot allocate {len(self.reqs)} KV slots for decode")
+        self.window_pages = cache.take_window_pages()
         self.out_cache_loc = locs
         self.seq_lens = [r.kv_len for r in self.reqs]
         self.input_ids = torch.tensor(
@@ -201,6 +204,7 @@ class ScheduleBatch:
         self.table_rows = self.table_rows + running.table_rows
         self.table_lens = self.table_lens + running.table_lens
         self.table_slots = self.table_slots + running.table_slots
+        self.window_pages = self.window_pages + running.window_pages
         self.merge_batch(running)
 
     def keeps_token(self, i: int, seq_len: int) -> bool:
@@ -261,7 +265,7 @@ class ScheduleBatch:
             return_logprob=self.return_logprob,
             top_logprobs_nums=self.top_logprobs_nums.tolist() if self.return_logprob else [],
             table_rows=self.table_rows, table_lens=self.table_lens, table_slots=self.table_slots,
-            kv_copy_src=self.kv_copy_src, kv_copy_dst=self.kv_copy_dst,
+            kv_copy_src=self.kv_copy_src, kv_copy_dst=self.kv_copy_dst, window_pages=self.window_pages,
             penalty_rows=self.penalty_rows(seq_lens), penalty_inits=self.penalty_inits,
             input_logprob_rows=self.input_logprob_rows, input_logprob_starts=self.input_logprob_starts,
             input_logprob_targets=self.input_logprob_targets,

@@ -57,7 +57,9 @@ class Scheduler:
                                   self.context_len, use_tree=self.radix_cache_enabled,
                                   page_size=server_args.page_size,
                                   max_idle_cached=None if server_args.prefix_cache_max_idle_tokens == -1
-                                  else server_args.prefix_cache_max_idle_tokens)
+                                  else server_args.prefix_cache_max_idle_tokens,
+                                  window=(model_info.sliding_window, model_info.window_pool_tokens)
+                                  if model_info.window_pool_tokens else None)
         self.invariant_error: str | None = None  # set when the idle check finds the accounts off
         self.timeline = Timeline()
         self.ratio = NewTokenRatio(server_args.schedule_conservativeness)
