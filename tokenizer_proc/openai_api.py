@@ -27,6 +27,7 @@ from tokenizer_proc.logprobs import (TokenTexts, chat_logprobs, completion_logpr
                                      too_large_for_the_loop)
 from tokenizer_proc.middlewares import read_body
 from tokenizer_proc.openai_protocol import OpenAIInput, check_chat_request, check_completion_request
+from tokenizer_proc.reasoning import ReasoningParser, ReasoningSplitter, reasoning_parser
 from tokenizer_proc.request_output import RequestOutput
 from tokenizer_proc.sse import stream_events
 from tokenizer_proc.validation import parse_json_object
@@ -72,8 +73,9 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     inp = pending.finish(await request.app[TOKENIZER_POOL].run(pending.encode, tokenizer))
     await check_grammars([spec.req.sampling_params.grammar for spec in inp.specs],
                          request.app[SERVER_ARGS])
-    shaper = (ChatShaper if chat else CompletionShaper)(inp, served_model_name(request.app),
-                                                        TokenTexts(tokenizer))
+    shaper = ChatShaper(inp, served_model_name(request.app), TokenTexts(tokenizer),
+                        reasoning_parser(request.app[SERVER_ARGS], inp)) if chat else \
+        CompletionShaper(inp, served_model_name(request.app), TokenTexts(tokenizer))
     gen = Generation(request.app[MANAGER], tokenizer, inp.specs, inp.stream, arrival,
                      request.app[SERVER_ARGS].max_logprob_entries)
     gen.submit()
@@ -272,6 +274,19 @@ class ChatShaper(Shaper):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, inp: OpenAIInput, model: str, texts: TokenTexts,
+                 reasoning: ReasoningParser | None = None) -> None:
+        super().__init__(inp, model, texts)
+        self.reasoning = reasoning  # None: the text is all content
+        self.splitters: dict[int, ReasoningSplitter] = {}  # per streamed choice
+
+    def _splitter(self, k: int) -> ReasoningSplitter:
+        assert self.reasoning is not None
+        if k not in self.splitters:
+            self.splitters[k] = ReasoningSplitter.for_prompt(self.reasoning, self.inp.specs[k].req.input_ids,
+                                                             self.texts.tokenizer)
+        return self.splitters[k]
+
     def _logprobs(self, out: RequestOutput, start: int, end: int) -> dict[str, Any] | None:
         if not self.inp.logprobs:
             return None
@@ -284,13 +299,23 @@ class ChatShaper(Shaper):
                              "logprobs": None, "finish_reason": None}]) for k in range(n)]
 
     def choice(self, k: int, out: RequestOutput) -> dict[str, Any]:
-        return {"index": k, "message": {"role": "assistant", "content": out.text},
+        message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        if self.reasoning is not None:
+            split = self._splitter(k).whole(out.text)
+            message.update(content=split.content, reasoning_content=split.reasoning or None)
+        return {"index": k, "message": message,
                 "logprobs": self._logprobs(out, 0, out.text_ids_len()),
                 "finish_reason": finish_reason(out), "matched_stop": _matched_stop(out)}
 
     def delta_choice(self, k: int, out: RequestOutput, delta: str, lp_start: int, lp_end: int,
                      reason: str | None) -> dict[str, Any]:
-        choice = {"index": k, "delta": {"content": delta} if delta else {},
+        fields = {"content": delta} if delta else {}
+        if self.reasoning is not None:
+            split = self._splitter(k).feed(delta)
+            if reason is not None:
+                split += self._splitter(k).flush()
+            fields = {key: v for key, v in (("reasoning_content", split.reasoning), ("content", split.content)) if v}
+        choice = {"index": k, "delta": fields,
                   "logprobs": self._logprobs(out, lp_start, lp_end), "finish_reason": reason}
         if reason is not None:
             choice["matched_stop"] = _matched_stop(out)

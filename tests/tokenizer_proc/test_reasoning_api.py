@@ -1,0 +1,95 @@
+"""Reasoning output and chat template options on /v1/chat/completions, with a
+fake scheduler that "generates" a recorded reasoning model's text."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.tokenizer_proc.server_harness import Server, post, sse_events
+from tokenizer_proc.tokenizer import load_tokenizer
+
+# Qwen3's way: an empty thinking block when enable_thinking is false; here the
+# template opens the block itself otherwise (as DeepSeek-R1's and Qwen3-2507's do)
+THINKING_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}")
+THOUGHT_AND_ANSWER = "The user says hi.\nI greet back.\n</think>\n\nHello there!"
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(hf_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tok = load_tokenizer(str(hf_folder), chat_template=THINKING_CHATML)
+    srv = Server(tok, tmp_path_factory.mktemp("ipc"), reasoning_parser="qwen3")
+    srv.fake.script = tok.encode(THOUGHT_AND_ANSWER)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Iterator[openai.OpenAI]:
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=10)
+    yield c
+    c.close()
+
+
+def test_thinking_goes_to_reasoning_content_and_the_answer_to_content(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="test", messages=HI)
+    msg = r.choices[0].message
+    assert msg.content == "Hello there!"
+    assert msg.model_extra["reasoning_content"] == "The user says hi.\nI greet back.\n"
+
+
+def test_streamed_thinking_never_reaches_content_and_adds_up(server: Server) -> None:
+    status, _, body = post(server, {"messages": HI, "stream": True}, "/v1/chat/completions")
+    assert status == 200
+    reasoning, content = "", ""
+    for ev in sse_events(body):
+        delta = ev["choices"][0]["delta"]
+        reasoning += delta.get("reasoning_content", "")
+        content += delta.get("content", "")
+        assert "think>" not in delta.get("content", "") and "think>" not in delta.get("reasoning_content", "")
+    assert (reasoning, content) == ("The user says hi.\nI greet back.\n", "Hello there!")
+
+
+def test_separate_reasoning_false_leaves_the_text_whole(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="test", messages=HI, extra_body={"separate_reasoning": False})
+    assert r.choices[0].message.content == THOUGHT_AND_ANSWER
+    assert r.choices[0].message.model_extra.get("reasoning_content") is None
+
+
+def test_chat_template_kwargs_reach_the_template(server: Server, client: openai.OpenAI) -> None:
+    client.chat.completions.create(model="test", messages=HI,
+                                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    prompt = server.tokenizer.decode(server.fake.requests()[-1].input_ids, skip_special_tokens=False)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    client.chat.completions.create(model="test", messages=HI)
+    prompt = server.tokenizer.decode(server.fake.requests()[-1].input_ids, skip_special_tokens=False)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n")
+
+
+def test_continue_final_message_ends_the_prompt_inside_the_assistant_message(
+        server: Server, client: openai.OpenAI) -> None:
+    client.chat.completions.create(model="test", messages=HI + [{"role": "assistant", "content": "Hello, my"}],
+                                   extra_body={"continue_final_message": True, "separate_reasoning": False})
+    prompt = server.tokenizer.decode(server.fake.requests()[-1].input_ids, skip_special_tokens=False)
+    assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nHello, my")
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"continue_final_message": True}, "last message to be the assistant's"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "cannot be a template variable"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "must be an object"),
+    ({"separate_reasoning": "yes"}, "separate_reasoning must be a boolean"),
+    ({"thinking_budget": -1}, "thinking_budget must be >= 0"),
+])
+def test_bad_chat_options_are_a_400_naming_the_field(server: Server, body: dict, message: str) -> None:
+    status, _, raw = post(server, {"messages": HI, **body}, "/v1/chat/completions")
+    assert status == 400 and message in json.loads(raw)["error"]["message"]
