@@ -41,8 +41,9 @@ class Tokenizer(Protocol):
     # a prompt longer than context length x this cannot fit, whatever its tokens
     max_token_chars: int
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a prompt, with the BOS token the model expects."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt, with the BOS token the model expects (none
+        without add_special_tokens)."""
         ...
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
@@ -100,9 +101,9 @@ class HFTokenizer:
         # characters of the decoded token too
         self.max_token_chars = max(len(t) for t in self.tok.get_vocab())
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The tokenizer's own default decides BOS (Llama adds it, SmolLM does not).
-        return list(self.tok.encode(text))
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -157,8 +158,8 @@ class SentencePieceTokenizer:
         self.eos_token_ids = [self.sp.eos_id()] if self.sp.eos_id() >= 0 else []
         self.max_token_chars = max(len(self.sp.id_to_piece(i)) for i in range(self.vocab_size))
 
-    def encode(self, text: str) -> list[int]:
-        return self._bos() + self.sp.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return (self._bos() if add_special_tokens else []) + self.sp.encode(text)
 
     def _bos(self) -> list[int]:
         return [self.bos_id] if self.bos_id >= 0 else []
