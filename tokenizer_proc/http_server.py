@@ -20,7 +20,7 @@ from aiohttp import web
 
 from common.messages import IpcPaths, ModelInfo
 from common.server_args import ServerArgs
-from tokenizer_proc import native_api, openai_api, ops_api, tokenize_api
+from tokenizer_proc import anthropic_api, native_api, openai_api, ops_api, tokenize_api
 from tokenizer_proc.app_keys import (HEALTH_GENERATE_TIMEOUT, MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, SERVER_ARGS,
                                      TOKENIZER, TOKENIZER_POOL)
 from tokenizer_proc.connections import ConnectionGate, GatedSite, connection_limit
@@ -82,7 +82,9 @@ def build_app(
                           ("/v1/chat/completions", openai_api.chat_completions),
                           ("/abort_request", ops_api.abort_request),
                           ("/tokenize", tokenize_api.tokenize), ("/v1/tokenize", tokenize_api.tokenize),
-                          ("/detokenize", tokenize_api.detokenize), ("/v1/detokenize", tokenize_api.detokenize)):
+                          ("/detokenize", tokenize_api.detokenize), ("/v1/detokenize", tokenize_api.detokenize),
+                          ("/v1/messages", anthropic_api.messages),
+                          ("/v1/messages/count_tokens", anthropic_api.count_tokens)):
         r.add_post(path, handler, expect_handler=expect_handler)
     r.add_get("/v1/models", openai_api.list_models)
     # Hugging Face ids have a slash (org/model): the name is the rest of the path
