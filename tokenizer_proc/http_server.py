@@ -20,13 +20,14 @@ from aiohttp import web
 
 from common.messages import IpcPaths, ModelInfo
 from common.server_args import ServerArgs
-from tokenizer_proc import anthropic_api, native_api, openai_api, ops_api, tokenize_api
+from tokenizer_proc import anthropic_api, native_api, openai_api, ops_api, responses_api, tokenize_api
 from tokenizer_proc.app_keys import (HEALTH_GENERATE_TIMEOUT, MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, SERVER_ARGS,
                                      TOKENIZER, TOKENIZER_POOL)
 from tokenizer_proc.connections import ConnectionGate, GatedSite, connection_limit
 from tokenizer_proc.manager import TokenizerManager
 from tokenizer_proc.middlewares import (ADMIN_KEY, API_KEY, BODY_TIMEOUT, GATE, HOST_RULE, MAX_BODY, HostRule,
                                         error_middleware, expect_handler, gate_middleware)
+from tokenizer_proc.response_store import ResponseStore
 from tokenizer_proc.tokenizer import Tokenizer, TokenizerPool
 from tokenizer_proc.validation import prompt_char_limit
 
@@ -61,6 +62,7 @@ def build_app(
     app[MAX_BODY] = server_args.max_request_bytes
     app[HEALTH_GENERATE_TIMEOUT] = health_generate_timeout
     app[ops_api.SCHEDULER_STATE] = ops_api.scheduler_state_getter(app)
+    app[responses_api.STORE] = ResponseStore()  # the Responses API's store: true responses
 
     async def scheduler_link(app: web.Application) -> AsyncIterator[None]:
         manager = TokenizerManager(ipc, server_args)
@@ -84,8 +86,10 @@ def build_app(
                           ("/tokenize", tokenize_api.tokenize), ("/v1/tokenize", tokenize_api.tokenize),
                           ("/detokenize", tokenize_api.detokenize), ("/v1/detokenize", tokenize_api.detokenize),
                           ("/v1/messages", anthropic_api.messages),
-                          ("/v1/messages/count_tokens", anthropic_api.count_tokens)):
+                          ("/v1/messages/count_tokens", anthropic_api.count_tokens),
+                          ("/v1/responses", responses_api.create)):
         r.add_post(path, handler, expect_handler=expect_handler)
+    r.add_get("/v1/responses/{response_id}", responses_api.retrieve)
     r.add_get("/v1/models", openai_api.list_models)
     # Hugging Face ids have a slash (org/model): the name is the rest of the path
     r.add_get("/v1/models/{model:.+}", openai_api.retrieve_model)
