@@ -20,7 +20,8 @@ from aiohttp import web
 
 from common.messages import IpcPaths, ModelInfo
 from common.server_args import ServerArgs
-from tokenizer_proc import anthropic_api, native_api, openai_api, ops_api, responses_api, tokenize_api
+from tokenizer_proc import (anthropic_api, native_api, openai_api, ops_api, responses_api, score_api,
+                            tokenize_api)
 from tokenizer_proc.app_keys import (HEALTH_GENERATE_TIMEOUT, MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, SERVER_ARGS,
                                      TOKENIZER, TOKENIZER_POOL)
 from tokenizer_proc.connections import ConnectionGate, GatedSite, connection_limit
@@ -87,7 +88,7 @@ def build_app(
                           ("/detokenize", tokenize_api.detokenize), ("/v1/detokenize", tokenize_api.detokenize),
                           ("/v1/messages", anthropic_api.messages),
                           ("/v1/messages/count_tokens", anthropic_api.count_tokens),
-                          ("/v1/responses", responses_api.create)):
+                          ("/v1/responses", responses_api.create), ("/v1/score", score_api.score)):
         r.add_post(path, handler, expect_handler=expect_handler)
     r.add_get("/v1/responses/{response_id}", responses_api.retrieve)
     r.add_get("/v1/models", openai_api.list_models)
