@@ -19,7 +19,7 @@ from tokenizer_proc.finish_json import abort_error
 from tokenizer_proc.generation import Generation
 from tokenizer_proc.grammar import check_grammars
 from tokenizer_proc.openai_protocol import OpenAIInput, check_chat_request
-from tokenizer_proc.reasoning import ReasoningSplitter, Split, reasoning_parser
+from tokenizer_proc.reasoning import ReasoningSplitter, Split, attach_thinking_budget, reasoning_parser
 from tokenizer_proc.request_output import RequestOutput
 
 
@@ -63,6 +63,7 @@ async def start_chat(request: web.Request, body: dict[str, Any], arrival: float)
     tokenizer = app[TOKENIZER]
     pending = check_chat_request(body, app[MODEL_INFO], app[PROMPT_CHAR_LIMIT])
     inp = pending.finish(await app[TOKENIZER_POOL].run(pending.encode, tokenizer))
+    attach_thinking_budget(inp, app[SERVER_ARGS].reasoning_parser, tokenizer)
     await check_grammars([spec.req.sampling_params.grammar for spec in inp.specs], app[SERVER_ARGS])
     gen = Generation(app[MANAGER], tokenizer, inp.specs, inp.stream, arrival, app[SERVER_ARGS].max_logprob_entries)
     gen.submit()

@@ -27,7 +27,7 @@ from tokenizer_proc.logprobs import (TokenTexts, chat_logprobs, completion_logpr
                                      too_large_for_the_loop)
 from tokenizer_proc.middlewares import read_body
 from tokenizer_proc.openai_protocol import OpenAIInput, check_chat_request, check_completion_request
-from tokenizer_proc.reasoning import ReasoningParser, ReasoningSplitter, reasoning_parser
+from tokenizer_proc.reasoning import ReasoningParser, ReasoningSplitter, attach_thinking_budget, reasoning_parser
 from tokenizer_proc.request_output import RequestOutput
 from tokenizer_proc.sse import stream_events
 from tokenizer_proc.validation import parse_json_object
@@ -71,6 +71,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     body = parse_json_object(await read_body(request))
     pending = (check_chat_request if chat else check_completion_request)(body, info, request.app[PROMPT_CHAR_LIMIT])
     inp = pending.finish(await request.app[TOKENIZER_POOL].run(pending.encode, tokenizer))
+    attach_thinking_budget(inp, request.app[SERVER_ARGS].reasoning_parser, tokenizer)
     await check_grammars([spec.req.sampling_params.grammar for spec in inp.specs],
                          request.app[SERVER_ARGS])
     shaper = ChatShaper(inp, served_model_name(request.app), TokenTexts(tokenizer),

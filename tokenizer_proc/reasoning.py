@@ -24,6 +24,9 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.messages import ThinkingBudgetSpec
+from tokenizer_proc.errors import BadRequestError
+
 if TYPE_CHECKING:
     from common.server_args import ServerArgs
     from tokenizer_proc.openai_protocol import OpenAIInput
@@ -71,6 +74,31 @@ def reasoning_parser(args: ServerArgs, inp: OpenAIInput) -> ReasoningParser | No
     if not args.reasoning_parser or (inp.chat is not None and inp.chat.separate_reasoning is False):
         return None
     return ReasoningParser(args.reasoning_parser)
+
+
+def attach_thinking_budget(inp: OpenAIInput, server_parser: str, tokenizer: Tokenizer) -> None:
+    """A chat request's thinking_budget, as each of its scheduler requests'
+    ThinkingBudgetSpec: the closing tag's tokens to force, and whether the
+    thinking is open from the first output token or opens with the opening
+    tag's token (scheduler_proc/thinking_budget.py)."""
+    budget = inp.chat.thinking_budget if inp.chat is not None else None
+    if budget is None:
+        return
+    if not server_parser:
+        raise BadRequestError("thinking_budget needs a reasoning model: start the server with --reasoning-parser")
+    parser = ReasoningParser(server_parser)
+    end_ids = tokenizer.encode(CLOSE_TAG, add_special_tokens=False)
+    open_tag = tokenizer.encode(OPEN_TAG, add_special_tokens=False)
+    for spec in inp.specs:
+        if spec.req.sampling_params.grammar is not None:
+            raise BadRequestError("thinking_budget cannot be combined with response_format or a grammar")
+        start_id = -1
+        if not parser.starts_in_reasoning and not ReasoningSplitter.for_prompt(
+                parser, spec.req.input_ids, tokenizer).in_reasoning_from_start:
+            if len(open_tag) != 1:
+                raise BadRequestError(f"thinking_budget: {OPEN_TAG} is not one token of this model's tokenizer")
+            start_id = open_tag[0]
+        spec.req.thinking_budget = ThinkingBudgetSpec(budget=budget, end_ids=end_ids, start_id=start_id)
 
 
 def prompt_opens_thinking(prompt_tail: str) -> bool:

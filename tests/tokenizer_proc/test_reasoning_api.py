@@ -93,3 +93,19 @@ def test_continue_final_message_ends_the_prompt_inside_the_assistant_message(
 def test_bad_chat_options_are_a_400_naming_the_field(server: Server, body: dict, message: str) -> None:
     status, _, raw = post(server, {"messages": HI, **body}, "/v1/chat/completions")
     assert status == 400 and message in json.loads(raw)["error"]["message"]
+
+
+def test_thinking_budget_reaches_the_scheduler_with_the_closing_tag(server: Server, client: openai.OpenAI) -> None:
+    client.chat.completions.create(model="test", messages=HI, extra_body={"thinking_budget": 3})
+    spec = server.fake.requests()[-1].thinking_budget
+    assert spec is not None and spec.budget == 3
+    assert spec.end_ids == server.tokenizer.encode("</think>", add_special_tokens=False)
+    assert spec.start_id == -1  # the template opened the block: thinking from the first token
+
+
+def test_thinking_budget_needs_the_opening_tag_as_one_token_when_the_model_opens_it(server: Server) -> None:
+    # enable_thinking false: the prompt closes the block, so thinking could only open with <think>,
+    # which this small tokenizer splits into several tokens
+    status, _, raw = post(server, {"messages": HI, "thinking_budget": 3,
+                                   "chat_template_kwargs": {"enable_thinking": False}}, "/v1/chat/completions")
+    assert status == 400 and "<think> is not one token" in json.loads(raw)["error"]["message"]
