@@ -1,7 +1,9 @@
 """The HTTP front end (aiohttp): the app, its middlewares and its routes.
 
-Routes live in three modules: `native_api` (SGLang's `/generate`),
-`openai_api` (`/v1/...`) and `ops_api` (health, info, aborts). Each request is
+Routes live in their API's module: `native_api` (SGLang's `/generate`),
+`openai_api` (`/v1/completions`, `/v1/chat/completions`, `/v1/models`),
+`responses_api` (`/v1/responses`), `anthropic_api` (`/v1/messages`),
+`tokenize_api`, `score_api` (`/v1/score`) and `ops_api` (health, info, aborts). Each request is
 checked in its handler (everything that needs no tokens first, prompt
 lengths included), tokenized on the tokenizer pool's threads (never on the
 event loop), checked again against the context, sent to the scheduler, and
