@@ -249,10 +249,9 @@ class ScheduleBatch:
         reqs = [self.reqs[i] for i in rows]
         if all(r.grammar is not None for r in reqs):
             return fill_bitmask([r.grammar for r in reqs])
-        import xgrammar as xgr
-
+        # torch's tensor in xgrammar's layout: a forced row alone needs no xgrammar import
         vocab = next(r.thinking.vocab_size for r in reqs if r.thinking is not None)
-        bitmask = xgr.allocate_token_bitmask(len(reqs), vocab)
+        bitmask = torch.full((len(reqs), (vocab + 31) // 32), -1, dtype=torch.int32)
         for i, r in enumerate(reqs):
             forced = r.thinking.forced_next if r.thinking is not None else None
             if forced is None:

@@ -2,7 +2,8 @@
 OpenAI's Responses API and Anthropic's Messages API (each client's streamed
 answer adds up to its unstreamed one), /tokenize and /detokenize with the
 real tokenizer, SGLang's /v1/score against /generate's token_ids_logprob, and
-chat's continue_final_message. One server for the module, few tokens."""
+chat's continue_final_message, and a thinking budget forced by the scheduler.
+One server for the module, few tokens."""
 
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ GREEDY = {"temperature": 0}
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    # float32: /v1/score is compared with /generate to the last digits, whatever the batch
-    srv = ServerProcess("--max-running-requests", "4", "--dtype", "float32")
+    # float32: /v1/score is compared with /generate to the last digits, whatever the batch.
+    # qwen3's parser splits only an output that opens a thinking block (SmolLM2's never
+    # does) or one whose prompt opened it: the other tests' answers are all content
+    srv = ServerProcess("--max-running-requests", "4", "--dtype", "float32", "--reasoning-parser", "qwen3")
     yield srv
     srv.kill()
 
@@ -116,3 +119,19 @@ def test_bad_requests_on_the_new_routes_leave_a_stream_in_flight_untouched(serve
         assert post(server, path, body).status_code == 400, path
     deltas += list(stream)
     assert "".join(e.delta for e in deltas if e.type == "response.output_text.delta") == want
+
+
+def test_a_thinking_budget_closes_the_block_after_that_many_tokens(oai: openai.OpenAI) -> None:
+    # the assistant's turn opened with <think>: the output is thinking until </think>
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "<think>\n"}]
+    args = dict(model="default", messages=messages, max_tokens=12, **GREEDY)
+    free = oai.chat.completions.create(**args, extra_body={"continue_final_message": True})
+    thought = free.choices[0].message.model_extra["reasoning_content"]
+    assert thought and free.choices[0].message.content == ""  # never closed: all reasoning
+    cut = oai.chat.completions.create(**args, extra_body={"continue_final_message": True, "thinking_budget": 3})
+    msg = cut.choices[0].message
+    assert msg.model_extra["reasoning_content"] and thought.startswith(msg.model_extra["reasoning_content"])
+    assert msg.model_extra["reasoning_content"] != thought and msg.content  # forced to answer
+    raw = oai.chat.completions.create(**args, extra_body={"continue_final_message": True, "thinking_budget": 3,
+                                                          "separate_reasoning": False})
+    assert raw.choices[0].message.content.startswith(msg.model_extra["reasoning_content"] + "</think>")

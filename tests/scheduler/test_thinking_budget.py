@@ -108,3 +108,43 @@ def test_a_thinking_budget_with_a_grammar_is_refused(tiny_llama_dir):
         thinking_budget=ThinkingBudgetSpec(budget=1, end_ids=END))])
     reason = finish_json(engine.outputs[-1].finished_reasons[0])
     assert reason["type"] == "abort" and "grammar" in reason["message"]
+
+
+class _AllowEven:
+    """A grammar matcher stand-in: allows the even token ids."""
+
+    def fill_next_token_bitmask(self, bitmask, row: int) -> None:
+        bitmask[row] = 0x55555555
+
+
+def test_a_forced_row_and_a_grammar_row_share_one_bitmask() -> None:
+    import types
+
+    import torch
+
+    from scheduler_proc.req import Req
+    from scheduler_proc.schedule_batch import ScheduleBatch
+
+    def req(rid: str) -> Req:
+        return Req(rid=rid, origin_input_ids=PROMPT, sampling_params=SamplingParams(), stop_token_ids=frozenset())
+
+    grammar, forced = req("g"), req("f")
+    grammar.grammar = types.SimpleNamespace(matcher=_AllowEven())
+    forced.thinking = _spec_budget(0)  # spent at once: forces END[0]
+    words = torch.frombuffer(bytearray(ScheduleBatch.init_new([grammar, forced]).constraint_bitmask([0, 1])),
+                             dtype=torch.int32).view(2, -1)
+    assert words.shape == (2, 16)  # 512 tokens
+    assert (words[0] == 0x55555555).all()
+    allowed = [t for t in range(512) if words[1, t // 32].item() >> (t % 32) & 1]
+    assert allowed == [END[0]]
+
+
+@pytest.mark.parametrize("token", [0, 30, 31, 32, 511])
+def test_allow_only_sets_the_one_bit_of_the_token_sign_bit_included(token: int) -> None:
+    import torch
+
+    from scheduler_proc.thinking_budget import allow_only
+
+    bitmask = torch.full((1, 16), -1, dtype=torch.int32)
+    allow_only(bitmask, 0, token)
+    assert [t for t in range(512) if bitmask[0, t // 32].item() >> (t % 32) & 1] == [token]
