@@ -23,8 +23,8 @@ import torch
 from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardMode, PenaltyInit
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.grammar import fill_bitmask
-from scheduler_proc.thinking_budget import allow_only
 from scheduler_proc.req import Req
+from scheduler_proc.thinking_budget import allow_only
 
 # Per-row tensors that filter_batch gathers and merge_batch concatenates.
 ROW_FIELDS = ("req_pool_indices", "temperatures", "top_ps", "top_ks", "min_ps", "seeds",

@@ -7,7 +7,9 @@ path (tokenizer_proc/chat_bridge.py): `system` (a string or text blocks)
 becomes a system message, content blocks are joined text, a last assistant
 message is continued (Anthropic's prefill: continue_final_message),
 `stop_sequences` are stop strings. With --reasoning-parser the thinking
-comes back as a `thinking` block before the `text` block. Errors on these
+comes back as a `thinking` block before the `text` block, and `thinking`'s
+`budget_tokens` is the thinking budget (without a parser `thinking` is
+ignored). Errors on these
 routes take Anthropic's shape ({"type": "error", "error": {"type", "message"}},
 tokenizer_proc/errors.py). Not implemented: tools (tool_use and tool_result
 blocks are a 400), images and documents, thinking signatures (empty).
@@ -22,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenizer_proc.app_keys import MODEL_INFO, PROMPT_CHAR_LIMIT, TOKENIZER, TOKENIZER_POOL
+from tokenizer_proc.app_keys import MODEL_INFO, PROMPT_CHAR_LIMIT, SERVER_ARGS, TOKENIZER, TOKENIZER_POOL
 from tokenizer_proc.chat_bridge import ChatRun, finish_of, start_chat, stopped_on_string
 from tokenizer_proc.errors import BadRequestError, anthropic_error_body, json_response
 from tokenizer_proc.middlewares import read_body
@@ -73,8 +75,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-def _chat_body(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
-    """The chat completions body that does what this Messages body asks."""
+def _chat_body(body: dict[str, Any], count_only: bool = False, reasoning: bool = False) -> dict[str, Any]:
+    """The chat completions body that does what this Messages body asks;
+    `reasoning`: the server has a --reasoning-parser (else `thinking` is
+    ignored: the model does not think)."""
     if body.get("tools") or body.get("tool_choice") not in (None, {"type": "auto"}, {"type": "none"}):
         raise BadRequestError("tools are not supported on this server")
     messages = _messages(body)
@@ -95,7 +99,8 @@ def _chat_body(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]
         if body.get(name) is not None:
             chat[name] = body[name]
     thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") == "enabled" and thinking.get("budget_tokens") is not None:
+    if reasoning and isinstance(thinking, dict) and thinking.get("type") == "enabled" \
+            and thinking.get("budget_tokens") is not None:
         chat["thinking_budget"] = thinking["budget_tokens"]
     return chat
 
@@ -114,7 +119,7 @@ async def _read(request: web.Request) -> dict[str, Any]:
 
 async def messages(request: web.Request) -> web.StreamResponse:
     arrival = time.perf_counter()
-    chat = _chat_body(await _read(request))
+    chat = _chat_body(await _read(request), reasoning=bool(request.app[SERVER_ARGS].reasoning_parser))
     run = await start_chat(request, chat, arrival)
     shaper = MessageShaper(run, served_model_name(request.app))
     try:

@@ -127,3 +127,23 @@ def test_the_client_raises_its_own_error_for_a_bad_request(client: anthropic.Ant
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model="test", max_tokens=5, messages=[])
     assert "at least one message" in str(e.value)
+
+
+def test_thinking_is_ignored_by_a_server_without_a_reasoning_parser(server: Server,
+                                                                    client: anthropic.Anthropic) -> None:
+    m = client.messages.create(model="test", max_tokens=3, messages=HI,
+                               thinking={"type": "enabled", "budget_tokens": 1024})
+    assert m.content[0].type == "text" and server.fake.requests()[-1].thinking_budget is None
+
+
+def test_the_api_key_may_come_as_x_api_key(server: Server, tmp_path: Path) -> None:
+    keyed = Server(server.tokenizer, tmp_path, api_key="sekret")
+    try:
+        ok = anthropic.Anthropic(base_url=keyed.url, api_key="sekret", max_retries=0, timeout=10)
+        assert ok.messages.count_tokens(model="test", messages=HI).input_tokens > 0
+        bad = anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0, timeout=10)
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            bad.messages.count_tokens(model="test", messages=HI)
+        assert e.value.body["error"]["type"] == "authentication_error"  # Anthropic's shape, from the gate
+    finally:
+        keyed.stop()
