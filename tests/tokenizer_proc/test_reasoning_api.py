@@ -109,3 +109,31 @@ def test_thinking_budget_needs_the_opening_tag_as_one_token_when_the_model_opens
     status, _, raw = post(server, {"messages": HI, "thinking_budget": 3,
                                    "chat_template_kwargs": {"enable_thinking": False}}, "/v1/chat/completions")
     assert status == 400 and "<think> is not one token" in json.loads(raw)["error"]["message"]
+
+
+def test_responses_put_the_thinking_in_a_reasoning_item_streamed_or_not(client: openai.OpenAI) -> None:
+    whole = client.responses.create(model="test", input="hi")
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == "The user says hi.\nI greet back.\n"
+    assert whole.output_text == "Hello there!"
+    events = list(client.responses.create(model="test", input="hi", stream=True))
+    thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thinking, answer) == ("The user says hi.\nI greet back.\n", "Hello there!")
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    done = [e.item.type for e in events if e.type == "response.output_item.done"]
+    assert added == [0, 1] and done == ["reasoning", "message"]
+    assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+
+
+def test_anthropic_messages_put_the_thinking_in_a_thinking_block_streamed_or_not(server: Server) -> None:
+    import anthropic
+
+    c = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=10)
+    whole = c.messages.create(model="test", max_tokens=100, messages=HI)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in whole.content] == [
+        ("thinking", "The user says hi.\nI greet back.\n"), ("text", "Hello there!")]
+    with c.messages.stream(model="test", max_tokens=100, messages=HI) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+    c.close()
