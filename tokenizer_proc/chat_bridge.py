@@ -13,45 +13,53 @@ from typing import Any
 
 from aiohttp import web
 
-from common.messages import FinishAbort, FinishMatchedStr, FinishMatchedToken, FinishReason
+from common.messages import FinishAbort, FinishMatchedStr, FinishReason
 from tokenizer_proc.app_keys import MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, SERVER_ARGS, TOKENIZER, TOKENIZER_POOL
 from tokenizer_proc.finish_json import abort_error
 from tokenizer_proc.generation import Generation
 from tokenizer_proc.grammar import check_grammars
 from tokenizer_proc.openai_protocol import OpenAIInput, check_chat_request
-from tokenizer_proc.reasoning import ReasoningSplitter, Split, attach_thinking_budget, reasoning_parser
+from tokenizer_proc.reasoning import ReasoningParser, ReasoningSplitter, Split, attach_thinking_budget, reasoning_parser
 from tokenizer_proc.request_output import RequestOutput
+from tokenizer_proc.tokenizer import Tokenizer
 
 
 @dataclass
 class ChatRun:
     inp: OpenAIInput
     gen: Generation
-    splitter: ReasoningSplitter | None  # --reasoning-parser's, unless the request turned it off
+    parser: ReasoningParser | None  # --reasoning-parser's, unless the request turned it off
+    tokenizer: Tokenizer
 
     @property
     def out(self) -> RequestOutput:
         return self.gen.outputs[0]
 
+    def _splitter(self) -> ReasoningSplitter | None:
+        """A fresh splitter for this output (None: all of it is content)."""
+        if self.parser is None:
+            return None
+        return ReasoningSplitter.for_prompt(self.parser, self.inp.specs[0].req.input_ids, self.tokenizer)
+
     def whole(self) -> Split:
         """The finished output's reasoning and answer."""
-        text = self.out.text
-        return self.splitter.whole(text) if self.splitter is not None else Split(content=text)
+        splitter, text = self._splitter(), self.out.text
+        return splitter.whole(text) if splitter is not None else Split(content=text)
 
     async def deltas(self) -> AsyncIterator[Split]:
         """The output's new text, split, as it comes; ends when it is finished
         (raises the abort's error for an aborted one)."""
-        sent = 0
+        sent, splitter = 0, self._splitter()
         async for _ in self.gen.updates():
             out = self.out
             delta = out.text_since(sent)
             sent = out.text_len
-            split = self.splitter.feed(delta) if self.splitter is not None else Split(content=delta)
+            split = splitter.feed(delta) if splitter is not None else Split(content=delta)
             if out.done:
                 if isinstance(out.finish_reason, FinishAbort):
                     raise abort_error(out.finish_reason)
-                if self.splitter is not None:
-                    split += self.splitter.flush()
+                if splitter is not None:
+                    split += splitter.flush()
             if split.reasoning or split.content:
                 yield split
 
@@ -67,10 +75,7 @@ async def start_chat(request: web.Request, body: dict[str, Any], arrival: float)
     await check_grammars([spec.req.sampling_params.grammar for spec in inp.specs], app[SERVER_ARGS])
     gen = Generation(app[MANAGER], tokenizer, inp.specs, inp.stream, arrival, app[SERVER_ARGS].max_logprob_entries)
     gen.submit()
-    parser = reasoning_parser(app[SERVER_ARGS], inp)
-    splitter = None if parser is None else ReasoningSplitter.for_prompt(parser, inp.specs[0].req.input_ids,
-                                                                        tokenizer)
-    return ChatRun(inp, gen, splitter)
+    return ChatRun(inp, gen, reasoning_parser(app[SERVER_ARGS], inp), tokenizer)
 
 
 def finish_of(out: RequestOutput) -> FinishReason:
@@ -85,7 +90,3 @@ def finish_of(out: RequestOutput) -> FinishReason:
 def stopped_on_string(reason: FinishReason) -> str | None:
     """The stop string that ended the output, if one did."""
     return reason.text if isinstance(reason, FinishMatchedStr) else None
-
-
-def stopped_on_token(reason: FinishReason) -> bool:
-    return isinstance(reason, FinishMatchedToken)

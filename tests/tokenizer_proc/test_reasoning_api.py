@@ -137,3 +137,14 @@ def test_anthropic_messages_put_the_thinking_in_a_thinking_block_streamed_or_not
         final = stream.get_final_message()
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
     c.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stored_response_keeps_the_answer_without_its_thinking(server: Server, client: openai.OpenAI,
+                                                                 stream: bool) -> None:
+    first = client.responses.create(model="test", input="hi", store=True, stream=stream)
+    if stream:
+        first = list(first)[-1].response
+    client.responses.create(model="test", input="again", previous_response_id=first.id)
+    prompt = server.tokenizer.decode(server.fake.requests()[-1].input_ids, skip_special_tokens=False)
+    assert "<|im_start|>assistant\nHello there!<|im_end|>\n<|im_start|>user\nagain" in prompt
