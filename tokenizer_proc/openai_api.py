@@ -27,7 +27,8 @@ from tokenizer_proc.logprobs import (TokenTexts, chat_logprobs, completion_logpr
                                      too_large_for_the_loop)
 from tokenizer_proc.middlewares import read_body
 from tokenizer_proc.openai_protocol import OpenAIInput, check_chat_request, check_completion_request
-from tokenizer_proc.reasoning import ReasoningParser, ReasoningSplitter, attach_thinking_budget, reasoning_parser
+from tokenizer_proc.reasoning import (ReasoningParser, ReasoningSplitter, Split, attach_thinking_budget,
+                                      reasoning_parser)
 from tokenizer_proc.request_output import RequestOutput
 from tokenizer_proc.sse import stream_events
 from tokenizer_proc.validation import parse_json_object
@@ -288,6 +289,19 @@ class ChatShaper(Shaper):
                                                              self.texts.tokenizer)
         return self.splitters[k]
 
+    def split_whole(self, k: int, text: str) -> Split:
+        """Choice k's whole text as reasoning and content (all content without a parser)."""
+        return self._splitter(k).whole(text) if self.reasoning is not None else Split(content=text)
+
+    def split_delta(self, k: int, delta: str, done: bool) -> Split:
+        """Choice k's new text as reasoning and content; `done`: its last."""
+        if self.reasoning is None:
+            return Split(content=delta)
+        split = self._splitter(k).feed(delta)
+        if done:
+            split += self._splitter(k).flush()
+        return split
+
     def _logprobs(self, out: RequestOutput, start: int, end: int) -> dict[str, Any] | None:
         if not self.inp.logprobs:
             return None
@@ -300,22 +314,18 @@ class ChatShaper(Shaper):
                              "logprobs": None, "finish_reason": None}]) for k in range(n)]
 
     def choice(self, k: int, out: RequestOutput) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        split = self.split_whole(k, out.text)
+        message: dict[str, Any] = {"role": "assistant", "content": split.content}
         if self.reasoning is not None:
-            split = self._splitter(k).whole(out.text)
-            message.update(content=split.content, reasoning_content=split.reasoning or None)
+            message["reasoning_content"] = split.reasoning or None
         return {"index": k, "message": message,
                 "logprobs": self._logprobs(out, 0, out.text_ids_len()),
                 "finish_reason": finish_reason(out), "matched_stop": _matched_stop(out)}
 
     def delta_choice(self, k: int, out: RequestOutput, delta: str, lp_start: int, lp_end: int,
                      reason: str | None) -> dict[str, Any]:
-        fields = {"content": delta} if delta else {}
-        if self.reasoning is not None:
-            split = self._splitter(k).feed(delta)
-            if reason is not None:
-                split += self._splitter(k).flush()
-            fields = {key: v for key, v in (("reasoning_content", split.reasoning), ("content", split.content)) if v}
+        split = self.split_delta(k, delta, done=reason is not None)
+        fields = {key: v for key, v in (("reasoning_content", split.reasoning), ("content", split.content)) if v}
         choice = {"index": k, "delta": fields,
                   "logprobs": self._logprobs(out, lp_start, lp_end), "finish_reason": reason}
         if reason is not None:

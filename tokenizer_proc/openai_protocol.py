@@ -143,7 +143,8 @@ class PendingOpenAI:
             try:
                 chat = self.chat or ChatOptions()
                 ids = tokenizer.apply_chat_template(self.messages) if chat.template_defaults else \
-                    tokenizer.apply_chat_template(self.messages, chat.continue_final, chat.template_kwargs)
+                    tokenizer.apply_chat_template(self.messages, continue_final=chat.continue_final,
+                                                template_kwargs=chat.template_kwargs)
             except NoChatTemplateError as e:
                 raise BadRequestError(str(e)) from None
             except Exception as e:  # the template's own checks (role order, ...) are client errors

@@ -75,7 +75,8 @@ def _chat_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
     try:
         if options.template_defaults:
             return tokenizer.apply_chat_template(messages)
-        return tokenizer.apply_chat_template(messages, options.continue_final, options.template_kwargs)
+        return tokenizer.apply_chat_template(messages, continue_final=options.continue_final,
+                                             template_kwargs=options.template_kwargs)
     except NoChatTemplateError as e:
         raise BadRequestError(str(e)) from None
     except Exception as e:  # the template's own checks (role order, ...)

@@ -48,7 +48,7 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], continue_final: bool = False,
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, continue_final: bool = False,
                             template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt ids for a chat, ending with the assistant's turn opener; with
         `continue_final`, ending inside the last (assistant) message instead, to
@@ -108,7 +108,7 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], continue_final: bool = False,
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, continue_final: bool = False,
                             template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if not getattr(self.tok, "chat_template", None):
             raise NoChatTemplateError()
@@ -191,7 +191,7 @@ class SentencePieceTokenizer:
                 parts.append(self.sp.id_to_piece(i))
         return "".join(parts)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], continue_final: bool = False,
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, continue_final: bool = False,
                             template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Llama 2's [INST] format: each finished exchange is
         `<s>[INST] user [/INST] answer </s>`; a system prompt goes inside the
