@@ -81,6 +81,18 @@ class SamplingParams(msgspec.Struct):
 # ---- tokenizer_proc -> scheduler_proc -------------------------------------------------
 
 
+class ThinkingBudgetSpec(msgspec.Struct, frozen=True):
+    """A reasoning model's thinking budget (chat's thinking_budget): after
+    `budget` thinking tokens the scheduler forces `end_ids` (the closing tag's
+    tokens) as the next output tokens. Thinking is open from the first output
+    token when `start_id` is -1, else only when the first output token is
+    `start_id` (the opening tag); it ends when the model writes `end_ids`."""
+
+    budget: int
+    end_ids: list[int]
+    start_id: int = -1
+
+
 class TokenizedGenerateReq(msgspec.Struct, tag=True):
     rid: str
     input_ids: list[int]
@@ -104,6 +116,7 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     # with --enable-priority-scheduling: larger is admitted first (and, with
     # --priority-preemption, may retract running requests of lower priority)
     priority: int = 0
+    thinking_budget: ThinkingBudgetSpec | None = None  # scheduler_proc/thinking_budget.py
 
 
 class AbortReq(msgspec.Struct, tag=True):

@@ -76,6 +76,10 @@ def is_inline_chat_template(value: str) -> bool:
     return "{%" in value or "{{" in value
 
 
+# --reasoning-parser's choices (tokenizer_proc/reasoning.py's ReasoningParser)
+REASONING_PARSERS = ("deepseek-r1", "qwen3")
+
+
 def _env_float(name: str) -> float | None:
     value = os.environ.get(name)
     return float(value) if value else None
@@ -165,6 +169,8 @@ class ServerArgs:
     grammar_compile_threads: int = 2  # compiles run at once, beside the scheduler's loop
     grammar_compile_timeout_s: float = 10.0  # a compile running longer fails its requests
     grammar_cache_bytes: int = 128 * 2**20  # compiled grammars kept for reuse (LRU by xgrammar's size)
+    # chat routes split <think>...</think> into reasoning_content (tokenizer_proc/reasoning.py); "": off
+    reasoning_parser: str = ""
     # HTTP
     api_key: str = ""  # when set, every route but /health needs "Authorization: Bearer KEY"
     max_request_bytes: int = 16 * 2**20
@@ -258,6 +264,9 @@ class ServerArgs:
             raise ValueError(f"--max-connections must be >= 1, not {self.max_connections}")
         if not self.header_timeout_s > 0 or not self.body_timeout_s > 0:
             raise ValueError("--header-timeout-s and --body-timeout-s must be > 0")
+        if self.reasoning_parser not in ("", *REASONING_PARSERS):
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"not {self.reasoning_parser!r}")
         self._check_parallel()
         self._check_grammar()
 
@@ -312,6 +321,9 @@ class ServerArgs:
                                  "or '{{') that chat requests use instead of the tokenizer's own; "
                                  "without one, a model whose tokenizer has none answers chat with HTTP 400")
         parser.add_argument("--served-model-name", default="")
+        parser.add_argument("--reasoning-parser", default="", choices=REASONING_PARSERS,
+                            help="chat answers carry the model's <think>...</think> text in "
+                                 "reasoning_content, apart from content")
         parser.add_argument("--context-length", type=int, default=None,
                             help="default: the model's max_position_embeddings")
         parser.add_argument("--dtype", default=d["dtype"].default,

@@ -24,6 +24,7 @@ from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardMode, PenaltyInit
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.grammar import fill_bitmask
 from scheduler_proc.req import Req
+from scheduler_proc.thinking_budget import allow_only
 
 # Per-row tensors that filter_batch gathers and merge_batch concatenates.
 ROW_FIELDS = ("req_pool_indices", "temperatures", "top_ps", "top_ks", "min_ps", "seeds",
@@ -236,12 +237,32 @@ class ScheduleBatch:
         """Rows whose next token a grammar constrains: not a mid-prompt chunk,
         nor a finished row computed as padding. Their matchers have seen every
         token (the scheduler reads a step in flight before building one)."""
-        if not self.has_grammar:
+        if not self.has_grammar and not any(r.thinking is not None for r in self.reqs):
             return []
         rows = [i for i, r in enumerate(self.reqs)
-                if r.grammar is not None and not r.finished and self.keeps_token(i, seq_lens[i])]
+                if (r.grammar is not None or (r.thinking is not None and r.thinking.forced_next is not None))
+                and not r.finished and self.keeps_token(i, seq_lens[i])]
         assert all(not self.reqs[i].pending_tokens for i in rows), "a grammar row with a token in flight"
         return rows
+
+    def constraint_bitmask(self, rows: list[int]) -> bytes:
+        """The allowed tokens of each constrained row: its grammar's, or the one
+        token a spent thinking budget forces."""
+        if not rows:
+            return b""
+        reqs = [self.reqs[i] for i in rows]
+        if all(r.grammar is not None for r in reqs):
+            return fill_bitmask([r.grammar for r in reqs])
+        # torch's tensor in xgrammar's layout: a forced row alone needs no xgrammar import
+        vocab = next(r.thinking.vocab_size for r in reqs if r.thinking is not None)
+        bitmask = torch.full((len(reqs), (vocab + 31) // 32), -1, dtype=torch.int32)
+        for i, r in enumerate(reqs):
+            forced = r.thinking.forced_next if r.thinking is not None else None
+            if forced is None:
+                r.grammar.matcher.fill_next_token_bitmask(bitmask, i)
+            else:
+                allow_only(bitmask, i, forced)
+        return bitmask.numpy().tobytes()
 
     def to_forward_batch(self) -> ForwardBatch:
         seq_lens = self.seq_lens
@@ -272,7 +293,7 @@ class ScheduleBatch:
             token_ids_logprobs=[r.token_ids_logprob for r in self.reqs]
             if any(r.token_ids_logprob for r in self.reqs) else [],
             grammar_rows=grammar_rows,
-            grammar_bitmask=fill_bitmask([self.reqs[i].grammar for i in grammar_rows]) if grammar_rows else b"",
+            grammar_bitmask=self.constraint_bitmask(grammar_rows),
         )
 
 

@@ -192,9 +192,12 @@ class Scheduler:
         for r, p in zip(batch.reqs, produces):
             r.pending_tokens += p
         self.model.send(fb)
+        # a spent thinking budget's forced token depends on this step's: no overlap either
+        constrained = bool(fb.grammar_rows) or any(
+            r.thinking is not None and r.thinking.forces_soon(r.pending_tokens) for r in batch.reqs)
         self.inflight.append(LaunchedStep(batch.forward_mode, list(batch.reqs), produces,
                                           len(fb.out_cache_loc), time.perf_counter(),
-                                          fb.input_logprob_rows, bool(fb.grammar_rows),
+                                          fb.input_logprob_rows, constrained,
                                           len(batch) - batch.decode_from))
 
     def resolve_oldest(self) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.messages import Grammar, ModelInfo, SamplingParams, TokenizedGenerateReq
+from tokenizer_proc.chat_options import ChatOptions, check_chat_options
 from tokenizer_proc.errors import BadRequestError
 from tokenizer_proc.grammar import grammar_from_fields, grammar_from_response_format
 from tokenizer_proc.protocol import (MAX_N, MAX_OUTPUTS, check_fits_context, check_prompt_id_count, check_prompt_ids,
@@ -50,6 +51,7 @@ class OpenAIInput:
     # echo with max_tokens 0: one token is generated (the server's minimum) and
     # none of it shown or counted: the answer is the prompt alone
     hide_output: bool = False
+    chat: ChatOptions | None = None  # chat: template and reasoning options
 
 
 def _refuse_unless_default(body: dict[str, Any]) -> None:
@@ -132,13 +134,17 @@ class PendingOpenAI:
     messages: list[dict[str, str]] | None = None  # chat, unless input_ids is given
     echo: bool = False
     hide_output: bool = False
+    chat: ChatOptions | None = None
 
     def encode(self, tokenizer: Tokenizer) -> list[tuple[list[int], str]]:
         """Each prompt's ids and text (echo's: as sent, or the ids decoded)."""
         vocab = self.info.vocab_size
         if self.messages is not None:
             try:
-                ids = tokenizer.apply_chat_template(self.messages)
+                chat = self.chat or ChatOptions()
+                ids = tokenizer.apply_chat_template(self.messages) if chat.template_defaults else \
+                    tokenizer.apply_chat_template(self.messages, continue_final=chat.continue_final,
+                                                template_kwargs=chat.template_kwargs)
             except NoChatTemplateError as e:
                 raise BadRequestError(str(e)) from None
             except Exception as e:  # the template's own checks (role order, ...) are client errors
@@ -178,7 +184,7 @@ class PendingOpenAI:
                                          group=request_id if len(prompts) * n > 1 else None))
         inp = OpenAIInput(request_id=request_id, specs=specs, prompt_tokens=sum(len(p) for p in prompts),
                           stream=self.stream, include_usage=self.include_usage, logprobs=self.logprobs,
-                          top_logprobs=self.top_logprobs)
+                          top_logprobs=self.top_logprobs, chat=self.chat)
         if self.echo:
             inp.echo, inp.hide_output = True, self.hide_output
             inp.echo_texts = [text for _, text in encoded for _ in range(n)]
@@ -329,6 +335,7 @@ def check_chat_request(body: dict[str, Any], info: ModelInfo, char_limit: int | 
     if optional(body, "echo", check_bool, False):
         raise BadRequestError("echo is not supported on chat completions (only on /v1/completions)")
     pending = _check_common(body, 1, info, "chatcmpl", None, logprobs=logprobs, top_logprobs=top)
+    pending.chat = check_chat_options(body, [m["role"] for m in messages])
     if ids is None:
         pending.messages = messages
     else:
