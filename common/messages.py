@@ -84,6 +84,18 @@ class SamplingParams(msgspec.Struct):
 # ---- tokenizer_proc -> scheduler_proc -------------------------------------------------
 
 
+class ThinkingBudgetSpec(msgspec.Struct, frozen=True):
+    """A reasoning model's thinking budget (chat's thinking_budget): after
+    `budget` thinking tokens the scheduler forces `end_ids` (the closing tag's
+    tokens) as the next output tokens. Thinking is open from the first output
+    token when `start_id` is -1, else only when the first output token is
+    `start_id` (the opening tag); it ends when the model writes `end_ids`."""
+
+    budget: int
+    end_ids: list[int]
+    start_id: int = -1
+
+
 class TokenizedGenerateReq(msgspec.Struct, tag=True):
     rid: str
     input_ids: list[int]
@@ -107,6 +119,7 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     # with --enable-priority-scheduling: larger is admitted first (and, with
     # --priority-preemption, may retract running requests of lower priority)
     priority: int = 0
+    thinking_budget: ThinkingBudgetSpec | None = None  # scheduler_proc/thinking_budget.py
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -329,6 +342,10 @@ class ForwardBatch(msgspec.Struct, tag=True):
     # its own; the table rewrite above already maps its positions to dst.
     kv_copy_src: list[int] = []
     kv_copy_dst: list[int] = []
+    # A model with a window pool (scheduler_proc/window_pool.py): pages of it
+    # paired with full-pool pages since the last step, flattened (full page,
+    # window page, ...), applied in order before the copies above
+    window_pages: list[int] = []
     penalty_rows: list[int] = []
     penalty_inits: list[PenaltyInit] = []
     # Prompt logprobs (extend only), for the rows that asked for them: row
@@ -386,6 +403,10 @@ class ModelInfo(msgspec.Struct):
     device: str
     kv_cache_bytes: int
     cpu_threads: int = 0  # the model process's OpenMP threads on a CPU (0 on a GPU)
+    # sliding-window layers' own pool (0: none, they are in the full pool): its
+    # slots, and the largest window of the model's layers
+    window_pool_tokens: int = 0
+    sliding_window: int = 0
 
 
 class ReadyMsg(msgspec.Struct, tag=True):

@@ -82,6 +82,10 @@ def is_inline_chat_template(value: str) -> bool:
     return "{%" in value or "{{" in value
 
 
+# --reasoning-parser's choices (tokenizer_proc/reasoning.py's ReasoningParser)
+REASONING_PARSERS = ("deepseek-r1", "qwen3")
+
+
 def _env_float(name: str) -> float | None:
     value = os.environ.get(name)
     return float(value) if value else None
@@ -127,6 +131,11 @@ class ServerArgs:
     # the prefix cache shares whole pages only
     page_size: int = 16
     mem_fraction_static: float | None = None  # weights + KV share of device memory (model_proc/kv_cache.py)
+    # sliding-window layers (Gemma 2/3, Mistral) keep their KV in a pool of their own, a token's
+    # slot there only while a query can see it (scheduler_proc/window_pool.py): its size as a
+    # share of the full pool's tokens (SGLang's flag and default); off: one pool, as a plain model
+    swa_full_tokens_ratio: float = 0.8
+    disable_hybrid_swa_memory: bool = False
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 1024  # -1 disables chunking
     max_consecutive_prefill_batches: int = 2  # prefill batches before a decode step must run
@@ -170,6 +179,8 @@ class ServerArgs:
     grammar_compile_threads: int = 2  # compiles run at once, beside the scheduler's loop
     grammar_compile_timeout_s: float = 10.0  # a compile running longer fails its requests
     grammar_cache_bytes: int = 128 * 2**20  # compiled grammars kept for reuse (LRU by xgrammar's size)
+    # chat routes split <think>...</think> into reasoning_content (tokenizer_proc/reasoning.py); "": off
+    reasoning_parser: str = ""
     # HTTP
     api_key: str = ""  # when set, every route but /health needs "Authorization: Bearer KEY"
     max_request_bytes: int = 16 * 2**20
@@ -204,6 +215,8 @@ class ServerArgs:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, not {self.page_size}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError(f"--swa-full-tokens-ratio must be in (0, 1], not {self.swa_full_tokens_ratio}")
         if self.max_prefill_tokens < 1:
             raise ValueError("--max-prefill-tokens must be >= 1")
         if self.stream_interval < 1:
@@ -263,6 +276,9 @@ class ServerArgs:
             raise ValueError(f"--max-connections must be >= 1, not {self.max_connections}")
         if not self.header_timeout_s > 0 or not self.body_timeout_s > 0:
             raise ValueError("--header-timeout-s and --body-timeout-s must be > 0")
+        if self.reasoning_parser not in ("", *REASONING_PARSERS):
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"not {self.reasoning_parser!r}")
         self._check_parallel()
         self._check_grammar()
 
@@ -323,6 +339,9 @@ class ServerArgs:
                             help="how tool calls are read from the output (SGLang's names); default: the "
                                  "format the chat template teaches (hermes for ChatML)")
         parser.add_argument("--served-model-name", default="")
+        parser.add_argument("--reasoning-parser", default="", choices=REASONING_PARSERS,
+                            help="chat answers carry the model's <think>...</think> text in "
+                                 "reasoning_content, apart from content")
         parser.add_argument("--context-length", type=int, default=None,
                             help="default: the model's max_position_embeddings")
         parser.add_argument("--dtype", default=d["dtype"].default,
@@ -371,6 +390,12 @@ class ServerArgs:
                             help="share of the device's memory for weights + KV cache, which sizes the "
                                  "pool when --max-total-tokens is not given; default 0.88 on a GPU, and on a "
                                  "CPU a quarter of the available RAM for the KV cache")
+        parser.add_argument("--swa-full-tokens-ratio", type=float, default=d["swa_full_tokens_ratio"].default,
+                            help="a model with sliding-window layers: their KV pool's tokens as a share of "
+                                 "the full pool's (it grows to what max-running-requests windows need)")
+        parser.add_argument("--disable-hybrid-swa-memory", action="store_true",
+                            help="sliding-window layers keep every token's KV in the one pool, as a plain "
+                                 "model's layers do")
         parser.add_argument("--max-prefill-tokens", type=int,
                             default=d["max_prefill_tokens"].default)
         parser.add_argument("--chunked-prefill-size", type=int,

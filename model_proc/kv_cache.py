@@ -7,6 +7,7 @@ The scheduler owns which slots and rows are free; this module only stores.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -22,21 +23,55 @@ class KVPool:
     """Per layer `k_buffer[l]`, `v_buffer[l]`: `[size + 1, num_kv_heads, head_dim]`.
 
     Slot 0 is the dummy target for padded tokens, so real slots are 1..size.
+
+    With a window pool (`windowed` layers, `window_size` > 0; see
+    scheduler_proc/window_pool.py) a sliding layer's buffers hold
+    `window_size + 1` slots instead, and the step's slots (the full pool's
+    numbering, which req_to_token holds) reach them through `window_slot`,
+    the pairing of full pages with window pages that the scheduler sends
+    (ForwardBatch.window_pages, applied by `pair_pages`).
     """
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device) -> None:
+                 dtype: torch.dtype, device: str | torch.device, *, windowed: Sequence[bool] = (),
+                 window_size: int = 0, page_size: int = 1) -> None:
         self.size = size
         self.num_layers = num_layers
-        shape = (size + 1, num_kv_heads, head_dim)
+        self.page_size = page_size
+        self.window_size = window_size if any(windowed) else 0
+        self.windowed = [bool(w) and self.window_size > 0 for w in windowed] or [False] * num_layers
         # empty, not zeros: on CPU untouched pages stay uncommitted until a
         # slot is written. Only the dummy slot can be read before it is
         # written (padded decode entries), so only it is zeroed: garbage
-        # there could be NaN, and 0 * NaN survives the attention mask.
-        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # there could be NaN, and 0 * NaN survives the attention mask. Every
+        # backend reads a sliding layer's keys inside the window of its
+        # first query only, which the scheduler keeps paired and written.
+        self.k_buffer: list[torch.Tensor] = []
+        self.v_buffer: list[torch.Tensor] = []
+        for w in self.windowed:
+            shape = ((self.window_size if w else size) + 1, num_kv_heads, head_dim)
+            self.k_buffer.append(torch.empty(shape, dtype=dtype, device=device))
+            self.v_buffer.append(torch.empty(shape, dtype=dtype, device=device))
         for buf in self.k_buffer + self.v_buffer:
             buf[0].zero_()
+        # full slot -> window slot (0, the dummy, until its page is paired)
+        self.window_slot = torch.zeros(size + 1, dtype=torch.int64, device=device) if self.window_size else None
+
+    def to_window(self, slots: torch.Tensor) -> torch.Tensor:
+        """Full-pool slots as a sliding layer's buffers number them."""
+        assert self.window_slot is not None
+        return self.window_slot[slots]
+
+    def pair_pages(self, pairs: list[int]) -> None:
+        """Apply ForwardBatch.window_pages: (full page, window page) pairs,
+        flattened, in the order made (a later pair of a page replaces it)."""
+        assert self.window_slot is not None
+        last = dict(zip(pairs[::2], pairs[1::2]))
+        dev, P = self.window_slot.device, self.page_size
+        full = torch.tensor(list(last.keys()), dtype=torch.int64, device=dev)[:, None]
+        win = torch.tensor(list(last.values()), dtype=torch.int64, device=dev)[:, None]
+        offsets = torch.arange(1, P + 1, device=dev)
+        self.window_slot[(full * P + offsets).view(-1)] = (win * P + offsets).view(-1)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -48,7 +83,8 @@ class KVPool:
         return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the new tokens' K/V ([T, kv_heads, head_dim]) into their slots."""
+        """Write the new tokens' K/V ([T, kv_heads, head_dim]) into their
+        slots (the layer's numbering: AttentionBackend.layer_slots)."""
         self.k_buffer[layer_id].index_copy_(0, loc, k)
         self.v_buffer[layer_id].index_copy_(0, loc, v)
 
@@ -56,8 +92,10 @@ class KVPool:
         """Every layer's K and V of slots `src` into slots `dst` (int64, on
         the pool's device; no slot in both). The rows of a cached page that
         a request's prefix match ends inside, copied into its own page."""
-        for buf in self.k_buffer + self.v_buffer:
-            buf.index_copy_(0, dst, buf.index_select(0, src))
+        for layer, windowed in enumerate(self.windowed):
+            s, d = (self.to_window(src), self.to_window(dst)) if windowed else (src, dst)
+            for buf in (self.k_buffer[layer], self.v_buffer[layer]):
+                buf.index_copy_(0, d, buf.index_select(0, s))
 
 
 class ReqToTokenTable:
@@ -110,6 +148,19 @@ def kv_budget_bytes(server_args: ServerArgs, weight_bytes: int) -> int:
     free, total = device_memory(server_args.device)
     fraction = GPU_MEM_FRACTION_STATIC if fraction is None else fraction
     return int(fraction * total - (total - free) - weight_bytes)
+
+
+def window_pool_size(server_args: ServerArgs, full_tokens: int, window: int) -> int:
+    """Slots of the sliding layers' pool: --swa-full-tokens-ratio of the full
+    pool's, but at least what every running request's window needs (a page
+    either side of it) plus a prefill step's tokens, and at most the full
+    pool's; whole pages."""
+    P = server_args.page_size
+    step = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 \
+        else server_args.max_prefill_tokens
+    floor = server_args.max_running_requests * (window + 2 * P) + step + 2 * P
+    size = min(full_tokens, max(int(server_args.swa_full_tokens_ratio * full_tokens), floor))
+    return max(P, size // P * P)
 
 
 def kv_pool_size(server_args: ServerArgs, context_len: int, bytes_per_token: int,

@@ -22,7 +22,7 @@ from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardMode, ForwardResu
 from common.server_args import ServerArgs
 from model_proc.attention import create_attention_backend, layer_attention
 from model_proc.dtypes import dtype_name, resolve_dtype
-from model_proc.kv_cache import KVPool, ReqToTokenTable, kv_pool_size
+from model_proc.kv_cache import KVPool, ReqToTokenTable, kv_pool_size, window_pool_size
 from model_proc.model import LlamaForCausalLM, ModelConfig
 from model_proc.native_decoder import build_native_decoder
 from model_proc.parallel import SINGLE, TensorParallel, shard_heads
@@ -56,17 +56,28 @@ class ModelRunner:
         # this rank's KV heads (a clear error here if --tp-size does not fit the model)
         kv_heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size).num_kv_heads
         ckpt = CheckpointReader(self.model_path)
-        bytes_per_token = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype)
+        # sliding layers in a window pool of their own (scheduler_proc/window_pool.py)
+        windowed = [w is not None for w in cfg.layer_windows] \
+            if cfg.sliding and not sa.disable_hybrid_swa_memory and sa.batching == "continuous" else []
+        ratio = sa.swa_full_tokens_ratio if any(windowed) else 0.0
+        full_bytes, window_bytes = (KVPool.bytes_per_token(n, kv_heads, cfg.head_dim, self.dtype)
+                                    for n in (cfg.num_layers - sum(windowed), sum(windowed)))
+        bytes_per_token = max(1, full_bytes + int(ratio * window_bytes))
         # this rank's share, roughly (the norms are read by every rank; they are tiny)
         weight_bytes = ckpt.numel() * self.dtype.itemsize // tp.size
         # every rank must hold the same slots: the smallest pool any rank affords
         self.max_total_tokens = tp.min_int(kv_pool_size(sa, self.context_len, bytes_per_token, weight_bytes))
+        self.sliding_window = max((w for w in cfg.layer_windows if w is not None), default=0)
+        self.window_pool_tokens = window_pool_size(sa, self.max_total_tokens, self.sliding_window) \
+            if any(windowed) else 0
         self.kv_pool = KVPool(self.max_total_tokens, cfg.num_layers, kv_heads, cfg.head_dim,
-                              self.dtype, self.device)
+                              self.dtype, self.device, windowed=windowed, window_size=self.window_pool_tokens,
+                              page_size=sa.page_size)
         self.req_to_token = ReqToTokenTable(sa.max_running_requests, self.context_len, self.device)
-        logger.info("KV cache pool: %d tokens, %.1f MiB (%d bytes per token); req_to_token %s",
+        logger.info("KV cache pool: %d tokens, %.1f MiB (%d bytes per token); req_to_token %s%s",
                     self.max_total_tokens, self.kv_pool.nbytes / 2**20, bytes_per_token,
-                    tuple(self.req_to_token.table.shape))
+                    tuple(self.req_to_token.table.shape),
+                    f"; sliding layers' window pool: {self.window_pool_tokens} tokens" if any(windowed) else "")
 
         self.attn_backend = create_attention_backend(
             sa.attention_backend, self.kv_pool, self.req_to_token, scale=cfg.attn_scale,
@@ -105,6 +116,8 @@ class ModelRunner:
             device=sa.device,
             kv_cache_bytes=self.kv_pool.nbytes,
             cpu_threads=torch.get_num_threads() if self.device.type == "cpu" else 0,
+            window_pool_tokens=self.window_pool_tokens,
+            sliding_window=self.sliding_window if self.window_pool_tokens else 0,
         )
 
     @torch.inference_mode()
@@ -191,6 +204,8 @@ class ModelRunner:
         table follows (after the rows the scheduler rewrote, table_rows, took
         their new prefixes). The KV rows the batch copies are copied first."""
         self.check_batch(batch)
+        if batch.window_pages:  # before the copies: a copy's destination may be a page paired now
+            self.kv_pool.pair_pages(batch.window_pages)
         if batch.kv_copy_src:  # before the step writes anything: a copy's source may be reused by it
             self.kv_pool.copy_slots(torch.tensor(batch.kv_copy_src, dtype=torch.int64, device=self.device),
                                     torch.tensor(batch.kv_copy_dst, dtype=torch.int64, device=self.device))
@@ -255,6 +270,11 @@ class ModelRunner:
                               or len(set(b.kv_copy_dst)) != len(b.kv_copy_dst)
                               or not set(b.kv_copy_dst).isdisjoint(b.kv_copy_src)):
             raise ValueError("ForwardBatch: kv_copy_src/kv_copy_dst are inconsistent")
+        if b.window_pages and (self.kv_pool.window_slot is None or len(b.window_pages) % 2
+                               or min(b.window_pages) < 0
+                               or max(b.window_pages[::2]) >= self.max_total_tokens // self.kv_pool.page_size
+                               or max(b.window_pages[1::2]) >= self.window_pool_tokens // self.kv_pool.page_size):
+            raise ValueError("ForwardBatch: window_pages are not (full page, window page) pairs of the pools")
         if min(b.input_ids) < FUTURE_TOKEN or max(b.input_ids) >= self.model_config.vocab_size:
             raise ValueError("ForwardBatch: input_ids outside the vocabulary")
         if mode.is_extend() and FUTURE_TOKEN in b.input_ids[:num_new - b.decode_rows]:

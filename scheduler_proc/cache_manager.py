@@ -27,6 +27,13 @@ tokens' slots, and the rows this class rewrote (`req.table_sync_len`, sent as
 ForwardBatch.table_rows with the request's next step), so a request can start
 from KV that another request computed.
 
+A model with sliding-window layers has a second pool for them
+(scheduler_proc/window_pool.py): each page above is paired with one of its
+pages when handed out, and unpaired when freed, or earlier, once its
+tokens fell behind the window of their request's next token
+(`_slide_window`); a prefix match is cut to what the sliding layers can
+start from (`match`). That pool's accounts: free + paired = its size.
+
 With `--disable-radix-cache` (and under static or dynamic batching) there is
 no tree: nothing is matched or inserted, and a request's slots go back to the
 free list when it ends.
@@ -50,6 +57,7 @@ import torch
 from scheduler_proc.memory import PageAllocator, ReqToTokenPool, int64_tensor, slots_taken
 from scheduler_proc.radix_cache import PrefixMatch, RadixCache, TreeNode
 from scheduler_proc.req import Req
+from scheduler_proc.window_pool import WindowPool, usable_prefix
 
 
 @dataclass(slots=True)
@@ -65,15 +73,20 @@ class KVCopy:
 
 class CacheManager:
     def __init__(self, pool_size: int, num_rows: int, context_len: int, use_tree: bool,
-                 page_size: int = 1, max_idle_cached: int | None = None) -> None:
+                 page_size: int = 1, max_idle_cached: int | None = None,
+                 window: tuple[int, int] | None = None) -> None:
+        """window: (the model's largest sliding window, the window pool's
+        slots) for a model with sliding-window layers; None: one pool."""
         self.allocator = PageAllocator(pool_size, page_size)
+        self.window_pool = WindowPool(self.allocator.num_pages, window[1], page_size, window[0]) \
+            if window is not None else None
         # evictable tree slots kept before a page is taken from the pool's
         # never-touched memory (None: no bound; see _take_pages)
         self.max_idle_cached = max_idle_cached
         self.page_size = page_size
         self.size = self.allocator.size
         self.req_to_token_pool = ReqToTokenPool(num_rows, context_len)
-        self.tree = RadixCache(self.allocator.free, page_size) if use_tree else None
+        self.tree = RadixCache(self._free, page_size) if use_tree else None
         self.resident: dict[int, Req] = {}  # table row -> the request holding it
         self.pending_copies: dict[int, KVCopy] = {}  # table row -> rows to copy with its first extend
         # hit rate: prompt tokens offered to match on admission vs. taken from the tree
@@ -90,6 +103,28 @@ class CacheManager:
         """Slots a request can get now: the free list plus what eviction frees."""
         return self.allocator.available() + (self.tree.evictable_size if self.tree else 0)
 
+    def window_available(self) -> int | None:
+        """Window-pool slots an allocation can have (None: no window pool):
+        the free ones, those of cached prefixes no request locks (evicted
+        when needed), and those of cached tokens behind their one locker's
+        window (given back when needed)."""
+        pool = self.window_pool
+        if pool is None:
+            return None
+        if pool.available() == pool.size or self.tree is None:
+            return pool.available()
+        P = self.page_size
+        unlocked = sum(int(pool.held(n.value[::P]).sum()) for n in self.tree.unlocked_nodes()) * P
+        return pool.available() + unlocked + self._release_passed_tree_windows(count_only=True)
+
+    def can_decode(self, reqs: list[Req]) -> bool:
+        """Whether both pools have the pages a decode step of `reqs` opens."""
+        need = self.decode_slots(reqs)
+        if self.available() < need:
+            return False
+        self._slide_windows(reqs)  # what the step would give back first
+        return self.window_pool is None or self._window_room(need)
+
     def token_usage(self) -> float:
         """Share of the pool held by requests (cached but evictable slots are free)."""
         return 1.0 - self.available() / self.size
@@ -103,9 +138,52 @@ class CacheManager:
         last page is full."""
         return sum(self.page_size for r in reqs if r.kv_len % self.page_size == 0)
 
+    def _window_room(self, slots: int) -> bool:
+        """Whether the window pool has `slots` free, making room if not: first
+        cached prefixes no request locks (least recently used first, both
+        pools' pages, as the full pool evicts), then the window pages of
+        cached tokens that only a request past them still locks."""
+        pool = self.window_pool
+        assert pool is not None
+        if pool.available() < slots and self.tree is not None:
+            self.tree.evict(0, until=lambda: pool.available() >= slots)
+            if pool.available() < slots:
+                self._release_passed_tree_windows()
+        return pool.available() >= slots
+
+    def _release_passed_tree_windows(self, count_only: bool = False) -> int:
+        """Unpair the window pages of the prefix cache's tokens that the one
+        request locking them has left behind its window. Only under window
+        pressure, since a request arriving later can start from them while
+        they are held (SGLang's SWA tree frees them the same lazy way).
+        Returns the slots freed (count_only: that would be, freeing none)."""
+        pool = self.window_pool
+        assert pool is not None
+        freed = 0
+        for r in self.resident.values():
+            passed = (r.kv_len - pool.window + 1) // self.page_size * self.page_size
+            end, node = r.cached_prefix_len, r.last_node  # the path root..last_node holds 0..end
+            while node is not None and not node.is_root:
+                start = end - len(node)
+                if node.lock_ref == 1 and start < passed:
+                    slots = node.value[:min(end, passed) - start]
+                    freed += int(pool.held(slots[::self.page_size]).sum()) * self.page_size
+                    if not count_only:
+                        pool.release(slots)
+                end, node = start, node.parent
+        return freed
+
+    def _free(self, slots: torch.Tensor) -> None:
+        """Free a run of a request's positions (its pages), and their window pages."""
+        if self.window_pool is not None:
+            self.window_pool.release(slots)
+        self.allocator.free(slots)
+
     def _take_pages(self, n: int) -> torch.Tensor | None:
-        """n pages, evicting unlocked cache if the free list is short; None if
-        even that is not enough (nothing is evicted then).
+        """n pages (each with its window page, with a window pool), evicting
+        unlocked cache if a free list is short; None if even that is not
+        enough (nothing is allocated then; with a window pool, what was
+        evicted for it stays evicted).
 
         Pages freed before come first (the allocator's order). Past them, a
         page the pool never handed out costs memory the process has not yet
@@ -123,7 +201,12 @@ class CacheManager:
             if self.tree is None or self.tree.evictable_size < short:
                 return None
             self.tree.evict(short)
-        return self.allocator.alloc_pages(n)
+        if self.window_pool is not None and not self._window_room(n * self.page_size):
+            return None
+        pages = self.allocator.alloc_pages(n)
+        if pages is not None and self.window_pool is not None:
+            assert self.window_pool.pair(pages), "window pool short after making room"
+        return pages
 
     def alloc_extend(self, reqs: list[Req], extend_lens: list[int]) -> torch.Tensor | None:
         """Slots for extend_lens[i] more tokens of reqs[i] after its kv_len,
@@ -131,6 +214,7 @@ class CacheManager:
         and its kv_len advanced past them. Returns the slots concatenated
         (int64), or None if the pool cannot hold them (nothing changes then)."""
         P = self.page_size
+        self._slide_windows(reqs)
         prefix_lens = [r.kv_len for r in reqs]
         fills = [min(n, -p % P) for p, n in zip(prefix_lens, extend_lens)]
         counts = [-(-(n - f) // P) for n, f in zip(extend_lens, fills)]
@@ -160,6 +244,7 @@ class CacheManager:
         written into its table row (the next slot of its last page, or a new
         page's first), and its kv_len advanced by one. None if the pool cannot
         hold them (nothing changes then)."""
+        self._slide_windows(reqs)
         rows = int64_tensor([r.req_pool_idx for r in reqs])
         positions = int64_tensor([r.kv_len for r in reqs])
         opens = positions % self.page_size == 0
@@ -176,6 +261,32 @@ class CacheManager:
             r.kv_len += 1
         return locs
 
+    def _slide_windows(self, reqs: list[Req]) -> None:
+        """Unpair the window pages of each request's own tokens that no query
+        of its can see any more: its next token (position kv_len) sees
+        kv_len - window + 1 on. A step in flight may still read them: a step
+        that reuses the pages runs after it (the model runs steps in order).
+        The prefix cache's pages wait for window pressure
+        (_release_passed_tree_windows): a later request may start from them."""
+        pool = self.window_pool
+        if pool is None:
+            return
+        P = self.page_size
+        for r in reqs:
+            upto = (r.kv_len - pool.window + 1) // P * P
+            if upto <= r.window_from:
+                continue
+            row = self.table[r.req_pool_idx]
+            own_from = max(r.window_from, r.cached_prefix_len)
+            if upto > own_from:
+                pool.release(row[own_from:upto])
+            r.window_from = upto
+
+    def take_window_pages(self) -> list[int]:
+        """The page pairs made since the last step was built, for the model's
+        copy of the pairing (ForwardBatch.window_pages)."""
+        return self.window_pool.take_pending() if self.window_pool is not None else []
+
     # ---- admission -----------------------------------------------------------------------
 
     def match(self, req: Req) -> PrefixMatch | None:
@@ -186,7 +297,14 @@ class CacheManager:
         if self.tree is None:
             return None
         key = req.fill_ids[:req.prefix_limit]
-        return self.tree.match_prefix(key, req.cache_salt)
+        match = self.tree.match_prefix(key, req.cache_salt)
+        if self.window_pool is not None and match.length:
+            # the sliding layers of its first new token need the last window - 1 tokens' K/V
+            n = usable_prefix(self.window_pool.held(torch.cat([match.slots, match.copy_slots])),
+                              self.window_pool.window, self.page_size)
+            if n < match.length:
+                match = self.tree.match_prefix(key[:n], req.cache_salt)
+        return match
 
     def match_len(self, req: Req) -> int:
         """How many leading tokens of `req` the cache could serve now (for the
@@ -291,7 +409,7 @@ class CacheManager:
         assert self.tree is not None
         had = self.tree.insert(key, slots, req.cache_salt)
         if had > req.cached_prefix_len:
-            self.allocator.free(slots[req.cached_prefix_len:had])
+            self._free(slots[req.cached_prefix_len:had])
         return had
 
     # ---- the end of a residency ----------------------------------------------------------
@@ -312,7 +430,7 @@ class CacheManager:
                 self._insert_own(req, req.fill_ids[:kept], row[:kept].long())
         end_of_kept = self.pages_for(kept)  # a page the tree took part of is the tree's
         if req.kv_len > end_of_kept:
-            self.allocator.free(row[end_of_kept:req.kv_len].long())
+            self._free(row[end_of_kept:req.kv_len].long())
         copy = self.pending_copies.pop(req.req_pool_idx, None)
         if copy is not None:  # admitted, never sent
             assert self.tree is not None
@@ -321,7 +439,7 @@ class CacheManager:
         del self.resident[req.req_pool_idx]
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = 0
-        req.kv_len = req.cached_prefix_len = req.table_sync_len = 0
+        req.kv_len = req.cached_prefix_len = req.table_sync_len = req.window_from = 0
         req.penalty_state_sent = False  # its next row gets its state rebuilt at its extend
 
     def _unlock(self, req: Req) -> None:
@@ -355,4 +473,6 @@ class CacheManager:
             "total_req_rows": self.req_to_token_pool.num_rows,
             "radix_tree_nodes": tree.num_nodes() if tree else 0,
             "cache_hit_rate": self.matched_tokens / self.offered_tokens if self.offered_tokens else 0.0,
+            **({"free_window_kv_slots": self.window_pool.available(),
+                "total_window_kv_slots": self.window_pool.size} if self.window_pool is not None else {}),
         }

@@ -77,7 +77,7 @@ class DecodeManager:
         a slot per row: then they wait, and their own decode step retracts."""
         running = self.running_batch
         if not self.args.enable_mixed_chunk or running is None \
-                or self.cache.available() < self.cache.decode_slots(running.reqs):
+                or not self.cache.can_decode(running.reqs):
             return False
         running.prepare_for_decode(self.cache)
         batch.mix_with_running(running)
@@ -91,7 +91,7 @@ class DecodeManager:
         its finished rows free their KV, and victims must have all their tokens."""
         batch = self.running_batch
         assert batch is not None
-        if self.cache.available() < self.cache.decode_slots(batch.reqs):
+        if not self.cache.can_decode(batch.reqs):
             if step_in_flight:
                 return NEEDS_RESULTS
             self.retract_decode(batch)
@@ -110,7 +110,7 @@ class DecodeManager:
         keep = set(range(len(batch)))
 
         def fits() -> bool:
-            return self.cache.available() >= self.cache.decode_slots([batch.reqs[k] for k in keep])
+            return self.cache.can_decode([batch.reqs[k] for k in keep])
         for i in order:
             if fits():
                 break

@@ -28,6 +28,15 @@ def check_kv_invariant(cm: CacheManager) -> str | None:
     if free + evictable + protected + own != cm.size:
         return (f"KV slots do not add up: free {free} + evictable {evictable} + protected "
                 f"{protected} + requests' own {own} != pool {cm.size}")
+    pool = cm.window_pool
+    if pool is not None:
+        paired = pool.page_of >= 0
+        if pool.available() + int(paired.sum()) * pool.page_size != pool.size:
+            return (f"window pool slots do not add up: free {pool.available()} + paired "
+                    f"{int(paired.sum()) * pool.page_size} != pool {pool.size}")
+        free_pages = cm.allocator.stack[:cm.allocator.num_free]
+        if bool(paired[free_pages].any()):
+            return "a free page of the full pool still holds a window page"
     if not resident and protected:
         return f"{protected} slots stay locked in the tree with no request resident"
     for r in resident:

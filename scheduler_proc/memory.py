@@ -83,10 +83,13 @@ class PageAllocator:
         (the run's last page may be partly used)."""
         starts = slots[::self.page_size].to(torch.int64) - 1
         assert bool(((starts % self.page_size) == 0).all()), "freed slots do not start pages"
-        k = starts.numel()
+        self.free_pages(starts // self.page_size)
+
+    def free_pages(self, pages: torch.Tensor) -> None:
+        k = pages.numel()
         if k:
             assert self.num_free + k <= self.num_pages, "more pages freed than the pool holds"
-            self.stack[self.num_free:self.num_free + k] = starts // self.page_size
+            self.stack[self.num_free:self.num_free + k] = pages
             self.num_free += k
 
 

@@ -99,6 +99,8 @@ class OutputProcessor:
             # the step's mask allows only what the matcher accepts: a bug
             logger.error("request %s: the grammar rejected sampled token %d", req.rid, token)
             req.abort(AbortKind.SERVER_ERROR, "internal error: the grammar rejected a sampled token")
+        if req.thinking is not None:
+            req.thinking.accept(req.output_ids)
         if not req.first_token_time:
             req.first_token_time = time.time()
             self.timeline.request(req.rid, "first_token", t=req.first_token_time)

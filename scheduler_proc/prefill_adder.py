@@ -41,7 +41,9 @@ class PrefillAdder:
     uncached prompt plus its own expected remainder out of it.
     `rem_chunk_tokens` (None: no chunking) caps the tokens this prefill
     computes: the request that crosses it is cut, and the rest of its prompt
-    goes in later prefill batches.
+    goes in later prefill batches. `rem_window_tokens` (None: no window
+    pool) caps them too: every token a prefill computes takes a window-pool
+    slot until the step after it, whatever the request's length.
     """
 
     rem_running: int  # free places in the running batch
@@ -50,19 +52,23 @@ class PrefillAdder:
     rem_chunk_tokens: int | None  # --chunked-prefill-size still unused
     new_token_ratio: float
     page_size: int = 1  # KV slots come in pages: a request's tokens take whole pages
+    rem_window_tokens: int | None = None  # window-pool slots still unused (sliding-window models)
     can_run: list[Admitted] = field(default_factory=list)
     new_chunked_req: Req | None = None  # admitted with only part of its prompt
 
     @classmethod
     def for_step(cls, *, max_running: int, running: list[Req], free_slots: int,
                  max_prefill_tokens: int, chunked_prefill_size: int,
-                 new_token_ratio: float, page_size: int = 1) -> "PrefillAdder":
+                 new_token_ratio: float, page_size: int = 1,
+                 free_window_slots: int | None = None) -> "PrefillAdder":
         reserved = sum(expected_new_tokens(r, new_token_ratio) for r in running)
+        # each running row may open a window page in the decode step after this one
+        window = None if free_window_slots is None else free_window_slots - page_size * len(running)
         return cls(rem_running=max_running - len(running),
                    rem_total_tokens=free_slots - reserved,
                    rem_prefill_tokens=max_prefill_tokens,
                    rem_chunk_tokens=None if chunked_prefill_size < 0 else chunked_prefill_size,
-                   new_token_ratio=new_token_ratio, page_size=page_size)
+                   new_token_ratio=new_token_ratio, page_size=page_size, rem_window_tokens=window)
 
     def add_chunked_req(self, req: Req, free_slots: int) -> None:
         """The next chunk of a prompt admitted earlier: its KV budget was promised
@@ -71,7 +77,8 @@ class PrefillAdder:
         if self.rem_chunk_tokens is not None:
             extend = min(extend, self.rem_chunk_tokens)
         room = -req.kv_len % self.page_size  # left in its last page
-        extend = min(extend, room + max(free_slots, 0) // self.page_size * self.page_size)
+        extend = min(extend, room + max(free_slots, 0) // self.page_size * self.page_size,
+                     self._window_cap(extend))
         if extend <= 0:
             return
         if req.kv_len + extend < req.num_tokens:
@@ -104,7 +111,19 @@ class PrefillAdder:
             if self.rem_chunk_tokens <= 0:
                 return None
             extend = self.rem_chunk_tokens
+        extend = self._window_cap(extend, newly_protected)
+        if extend <= 0:
+            return None
         return extend, need
+
+    def _window_cap(self, extend: int, newly_protected: int = 0) -> int:
+        """`extend` cut to what the window pool has left: a page kept for
+        where the request's own pages start, and the window pages of cached
+        prefixes its match would lock (at most its newly protected slots)."""
+        if self.rem_window_tokens is None:
+            return extend
+        room = self.rem_window_tokens - self.page_size - newly_protected
+        return min(extend, room // self.page_size * self.page_size)
 
     def try_add(self, req: Req, prefix_len: int = 0, newly_protected: int = 0) -> bool:
         """Admit `req` if it fits (see `fit`); False means stop adding, so the
@@ -116,6 +135,8 @@ class PrefillAdder:
         if prefix_len + extend < req.num_tokens:
             self.new_chunked_req = req
         self._admit(req, extend, promised=need)
+        if self.rem_window_tokens is not None:
+            self.rem_window_tokens -= newly_protected
         return True
 
     def _admit(self, req: Req, extend: int, promised: float) -> None:
@@ -127,3 +148,5 @@ class PrefillAdder:
         self.rem_prefill_tokens -= extend
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend
+        if self.rem_window_tokens is not None:
+            self.rem_window_tokens -= extend + self.page_size

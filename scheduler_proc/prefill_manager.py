@@ -41,7 +41,8 @@ class PrefillManager:
         return PrefillAdder.for_step(
             max_running=max_running, running=running, free_slots=self.cache.available(),
             page_size=self.cache.page_size, max_prefill_tokens=self.args.max_prefill_tokens,
-            chunked_prefill_size=self.args.chunked_prefill_size, new_token_ratio=new_token_ratio)
+            chunked_prefill_size=self.args.chunked_prefill_size, new_token_ratio=new_token_ratio,
+            free_window_slots=self.cache.window_available())
 
     def build(self, running: list[Req], new_token_ratio: float) -> ScheduleBatch | None:
         """The next prefill batch, or None (then `blocked` says who did not fit)."""

@@ -256,13 +256,15 @@ class RadixCache:
 
     # ---- eviction ------------------------------------------------------------------------
 
-    def evict(self, num_slots: int) -> int:
+    def evict(self, num_slots: int, until: Callable[[], bool] | None = None) -> int:
         """Free at least `num_slots` slots (fewer if not that many are
-        evictable), least recently used leaves first. Returns slots freed."""
+        evictable), least recently used leaves first, and go on until
+        `until()` holds if given (the caller's other pool has room). Returns
+        slots freed."""
         leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
         freed = 0
-        while freed < num_slots and leaves:
+        while (freed < num_slots or (until is not None and not until())) and leaves:
             _, _, node = heapq.heappop(leaves)
             parent = node.parent
             assert parent is not None
@@ -273,6 +275,10 @@ class RadixCache:
             if not parent.is_root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
         return freed
+
+    def unlocked_nodes(self) -> list[TreeNode]:
+        """The nodes eviction could free (no request locks them)."""
+        return [n for n in self._nodes() if n.lock_ref == 0]
 
     def reset(self) -> None:
         """Drop every node (the caller checked that nothing is locked)."""

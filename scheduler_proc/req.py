@@ -9,6 +9,7 @@ from typing import Any
 
 from common.messages import (AbortKind, FinishAbort, FinishLength, FinishMatchedToken, FinishReason, PenaltyInit,
                              SamplingParams, TokenizedGenerateReq)
+from scheduler_proc.thinking_budget import ThinkingBudget
 
 
 class ReqState(Enum):
@@ -42,6 +43,7 @@ class Req:
     # then the matcher, advanced over every output token
     grammar_future: Any = None
     grammar: Any = None  # a grammar.ReqGrammar once compiled
+    thinking: ThinkingBudget | None = None  # a thinking budget: forces the closing tag once spent
 
     output_ids: list[int] = field(default_factory=list)
     # Its KV residency: written by CacheManager only (admit, alloc_extend,
@@ -53,6 +55,7 @@ class Req:
     cached_prefix_len: int = 0
     last_node: Any = None
     table_sync_len: int = 0  # the model's req_to_token row must get our first N slots
+    window_from: int = 0  # with a window pool: its tokens before this have no window pages any more
     cache_hit_tokens: int = 0  # prompt tokens taken from the cache, not computed (reported as cached_tokens)
     already_computed: int = 0  # tokens this request has computed itself, at most
     pending_tokens: int = 0  # sampled in steps still in flight (overlap): the model has them
@@ -79,7 +82,8 @@ class Req:
     input_token_ids_logprobs: list[list[float]] = field(default_factory=list)
 
     @classmethod
-    def from_message(cls, msg: TokenizedGenerateReq, eos_token_ids: list[int]) -> "Req":
+    def from_message(cls, msg: TokenizedGenerateReq, eos_token_ids: list[int], vocab_size: int = 0) -> "Req":
+        """`vocab_size`: the model's logits width (a thinking budget's mask row)."""
         sp = msg.sampling_params
         stop = set(sp.stop_token_ids)
         if not sp.ignore_eos:
@@ -91,7 +95,9 @@ class Req:
                    logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
                    token_ids_logprob=list(msg.token_ids_logprob) if msg.return_logprob else [],
                    input_logprob_next=max(msg.logprob_start_len, 0),
-                   cache_salt=msg.cache_salt, penalized=sp.penalized(), priority=msg.priority)
+                   cache_salt=msg.cache_salt, penalized=sp.penalized(), priority=msg.priority,
+                   thinking=ThinkingBudget.from_spec(msg.thinking_budget, vocab_size) if msg.thinking_budget
+                   else None)
 
     def __post_init__(self) -> None:
         self.waiting_since = self.waiting_since or self.arrival_time

@@ -61,7 +61,7 @@ class RequestQueue:
     def add(self, msg: TokenizedGenerateReq) -> Req | None:
         """The request for `msg`, queued; or refused (returned finished, for
         the caller to answer); None: dropped, its rid is live already."""
-        req = Req.from_message(msg, self.model_info.eos_token_ids)
+        req = Req.from_message(msg, self.model_info.eos_token_ids, self.model_info.vocab_size)
         if msg.rid in self.by_rid:
             # The tokenizer process refuses duplicates; answering this one would
             # finish the request that owns the rid.
@@ -102,6 +102,10 @@ class RequestQueue:
         error = sampling_error(req.sampling_params, vocab) or token_ids_logprob_error(req.token_ids_logprob, vocab)
         if error is not None:
             return error
+        if req.thinking is not None:
+            error = req.thinking.error(vocab, req.sampling_params.grammar is not None)
+            if error is not None:
+                return error
         if not -1 <= req.logprob_start_len < n:
             return f"logprob_start_len ({req.logprob_start_len}) must be -1 or below the prompt length ({n})"
         context_len = self.model_info.context_len

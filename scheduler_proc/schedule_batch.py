@@ -24,6 +24,7 @@ from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardMode, PenaltyInit
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.grammar import fill_bitmask
 from scheduler_proc.req import Req
+from scheduler_proc.thinking_budget import allow_only
 
 # Per-row tensors that filter_batch gathers and merge_batch concatenates.
 ROW_FIELDS = ("req_pool_indices", "temperatures", "top_ps", "top_ks", "min_ps", "seeds",
@@ -63,6 +64,7 @@ class ScheduleBatch:
     # KV rows the model copies before the step (ForwardBatch.kv_copy_src/dst)
     kv_copy_src: list[int] = field(default_factory=list)
     kv_copy_dst: list[int] = field(default_factory=list)
+    window_pages: list[int] = field(default_factory=list)  # ForwardBatch.window_pages
     # prompt logprobs this extend computes (see ForwardBatch)
     input_logprob_rows: list[int] = field(default_factory=list)
     input_logprob_starts: list[int] = field(default_factory=list)
@@ -138,6 +140,7 @@ class ScheduleBatch:
             dtype=torch.int64)
         self.collect_table_rewrites(cache)
         self.kv_copy_src, self.kv_copy_dst = cache.take_kv_copies(self.reqs)
+        self.window_pages = cache.take_window_pages()
         # a row's penalty state is built from the request's tokens at its first
         # extend since admission (a cached prefix is not recomputed, and a
         # retracted request comes back with its output so far)
@@ -181,6 +184,7 @@ class ScheduleBatch:
         locs = cache.alloc_decode(self.reqs)
         if locs is None:
             raise OutOfKVSlots(f"cannot allocate {len(self.reqs)} KV slots for decode")
+        self.window_pages = cache.take_window_pages()
         self.out_cache_loc = locs
         self.seq_lens = [r.kv_len for r in self.reqs]
         self.input_ids = torch.tensor(
@@ -201,6 +205,7 @@ class ScheduleBatch:
         self.table_rows = self.table_rows + running.table_rows
         self.table_lens = self.table_lens + running.table_lens
         self.table_slots = self.table_slots + running.table_slots
+        self.window_pages = self.window_pages + running.window_pages
         self.merge_batch(running)
 
     def keeps_token(self, i: int, seq_len: int) -> bool:
@@ -232,12 +237,32 @@ class ScheduleBatch:
         """Rows whose next token a grammar constrains: not a mid-prompt chunk,
         nor a finished row computed as padding. Their matchers have seen every
         token (the scheduler reads a step in flight before building one)."""
-        if not self.has_grammar:
+        if not self.has_grammar and not any(r.thinking is not None for r in self.reqs):
             return []
         rows = [i for i, r in enumerate(self.reqs)
-                if r.grammar is not None and not r.finished and self.keeps_token(i, seq_lens[i])]
+                if (r.grammar is not None or (r.thinking is not None and r.thinking.forced_next is not None))
+                and not r.finished and self.keeps_token(i, seq_lens[i])]
         assert all(not self.reqs[i].pending_tokens for i in rows), "a grammar row with a token in flight"
         return rows
+
+    def constraint_bitmask(self, rows: list[int]) -> bytes:
+        """The allowed tokens of each constrained row: its grammar's, or the one
+        token a spent thinking budget forces."""
+        if not rows:
+            return b""
+        reqs = [self.reqs[i] for i in rows]
+        if all(r.grammar is not None for r in reqs):
+            return fill_bitmask([r.grammar for r in reqs])
+        # torch's tensor in xgrammar's layout: a forced row alone needs no xgrammar import
+        vocab = next(r.thinking.vocab_size for r in reqs if r.thinking is not None)
+        bitmask = torch.full((len(reqs), (vocab + 31) // 32), -1, dtype=torch.int32)
+        for i, r in enumerate(reqs):
+            forced = r.thinking.forced_next if r.thinking is not None else None
+            if forced is None:
+                r.grammar.matcher.fill_next_token_bitmask(bitmask, i)
+            else:
+                allow_only(bitmask, i, forced)
+        return bitmask.numpy().tobytes()
 
     def to_forward_batch(self) -> ForwardBatch:
         seq_lens = self.seq_lens
@@ -261,14 +286,14 @@ class ScheduleBatch:
             return_logprob=self.return_logprob,
             top_logprobs_nums=self.top_logprobs_nums.tolist() if self.return_logprob else [],
             table_rows=self.table_rows, table_lens=self.table_lens, table_slots=self.table_slots,
-            kv_copy_src=self.kv_copy_src, kv_copy_dst=self.kv_copy_dst,
+            kv_copy_src=self.kv_copy_src, kv_copy_dst=self.kv_copy_dst, window_pages=self.window_pages,
             penalty_rows=self.penalty_rows(seq_lens), penalty_inits=self.penalty_inits,
             input_logprob_rows=self.input_logprob_rows, input_logprob_starts=self.input_logprob_starts,
             input_logprob_targets=self.input_logprob_targets,
             token_ids_logprobs=[r.token_ids_logprob for r in self.reqs]
             if any(r.token_ids_logprob for r in self.reqs) else [],
             grammar_rows=grammar_rows,
-            grammar_bitmask=fill_bitmask([self.reqs[i].grammar for i in grammar_rows]) if grammar_rows else b"",
+            grammar_bitmask=self.constraint_bitmask(grammar_rows),
         )
 
 

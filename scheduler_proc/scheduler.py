@@ -57,7 +57,9 @@ class Scheduler:
                                   self.context_len, use_tree=self.radix_cache_enabled,
                                   page_size=server_args.page_size,
                                   max_idle_cached=None if server_args.prefix_cache_max_idle_tokens == -1
-                                  else server_args.prefix_cache_max_idle_tokens)
+                                  else server_args.prefix_cache_max_idle_tokens,
+                                  window=(model_info.sliding_window, model_info.window_pool_tokens)
+                                  if model_info.window_pool_tokens else None)
         self.invariant_error: str | None = None  # set when the idle check finds the accounts off
         self.timeline = Timeline()
         self.ratio = NewTokenRatio(server_args.schedule_conservativeness)
@@ -190,9 +192,12 @@ class Scheduler:
         for r, p in zip(batch.reqs, produces):
             r.pending_tokens += p
         self.model.send(fb)
+        # a spent thinking budget's forced token depends on this step's: no overlap either
+        constrained = bool(fb.grammar_rows) or any(
+            r.thinking is not None and r.thinking.forces_soon(r.pending_tokens) for r in batch.reqs)
         self.inflight.append(LaunchedStep(batch.forward_mode, list(batch.reqs), produces,
                                           len(fb.out_cache_loc), time.perf_counter(),
-                                          fb.input_logprob_rows, bool(fb.grammar_rows),
+                                          fb.input_logprob_rows, constrained,
                                           len(batch) - batch.decode_from))
 
     def resolve_oldest(self) -> None:

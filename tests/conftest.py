@@ -91,6 +91,9 @@ def make_runner() -> Callable[..., ModelRunner]:
         kwargs.setdefault("dtype", "float32")  # the exact-match tests compare float32 with transformers
         kwargs.setdefault("max_total_tokens", 2048)
         kwargs.setdefault("max_running_requests", 8)
+        # a sliding-window model's window pool as large as the full pool:
+        # RunnerDriver pairs every page once (tests/helpers.py)
+        kwargs.setdefault("swa_full_tokens_ratio", 1.0)
         return ModelRunner(ServerArgs(model_path=model_path, **kwargs))
     return make
 

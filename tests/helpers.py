@@ -143,6 +143,15 @@ class RunnerDriver:
         self.free_rows = list(range(1, runner.server_args.max_running_requests + 1))
         self.seq_lens: dict[int, int] = {}
         self.generated: dict[int, int] = {}
+        # a window pool (sliding-window models): every full page paired once,
+        # in a shuffled order, with the first batch
+        self.window_pages: list[int] = []
+        if runner.window_pool_tokens:
+            page = runner.server_args.page_size
+            pages = -(-runner.max_total_tokens // page)
+            assert runner.window_pool_tokens >= pages * page, "RunnerDriver pairs every page: a window pool that small"
+            shuffled = torch.randperm(pages, generator=gen)
+            self.window_pages = torch.stack([torch.arange(pages), shuffled], 1).view(-1).tolist()
 
     def new_row(self) -> int:
         row = self.free_rows.pop(0)
@@ -181,7 +190,9 @@ class RunnerDriver:
             seq_lens=[self.seq_lens[r] for r in rows], prefix_lens=prefix,
             input_ids=flat, out_cache_loc=self._slots(len(flat)),
             temperatures=[temperature] * n, top_ps=[top_p] * n, top_ks=[top_k] * n,
-            min_ps=[min_p] * n, seeds=[seed] * n, sample_steps=[self.generated[r] for r in rows])
+            min_ps=[min_p] * n, seeds=[seed] * n, sample_steps=[self.generated[r] for r in rows],
+            window_pages=self.window_pages)
+        self.window_pages = []
         return batch
 
     def step(self, batch: Any) -> list[int]:

@@ -52,7 +52,22 @@ def error_body(message: str, status: int, err_type: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "code": status}}
 
 
-def error_response(message: str, status: int, err_type: str) -> web.Response:
+# Anthropic's Messages API routes answer errors in Anthropic's shape
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(message: str, status: int) -> dict[str, Any]:
+    """{"type": "error", "error": {"type", "message"}}: what the `anthropic` client parses."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_response(message: str, status: int, err_type: str, path: str = "") -> web.Response:
+    """The error in OpenAI's shape, or in Anthropic's on its routes."""
+    if path.startswith(ANTHROPIC_PATH_PREFIX):
+        return json_response(anthropic_error_body(message, status), status)
     return json_response(error_body(message, status, err_type), status)
 
 

@@ -1,7 +1,9 @@
 """The HTTP front end (aiohttp): the app, its middlewares and its routes.
 
-Routes live in three modules: `native_api` (SGLang's `/generate`),
-`openai_api` (`/v1/...`) and `ops_api` (health, info, aborts). Each request is
+Routes live in their API's module: `native_api` (SGLang's `/generate`),
+`openai_api` (`/v1/completions`, `/v1/chat/completions`, `/v1/models`),
+`responses_api` (`/v1/responses`), `anthropic_api` (`/v1/messages`),
+`tokenize_api`, `score_api` (`/v1/score`) and `ops_api` (health, info, aborts). Each request is
 checked in its handler (everything that needs no tokens first, prompt
 lengths included), tokenized on the tokenizer pool's threads (never on the
 event loop), checked again against the context, sent to the scheduler, and
@@ -20,13 +22,15 @@ from aiohttp import web
 
 from common.messages import IpcPaths, ModelInfo
 from common.server_args import ServerArgs
-from tokenizer_proc import native_api, openai_api, ops_api
+from tokenizer_proc import (anthropic_api, native_api, openai_api, ops_api, responses_api, score_api,
+                            tokenize_api)
 from tokenizer_proc.app_keys import (HEALTH_GENERATE_TIMEOUT, MANAGER, MODEL_INFO, PROMPT_CHAR_LIMIT, SERVER_ARGS,
                                      TOKENIZER, TOKENIZER_POOL)
 from tokenizer_proc.connections import ConnectionGate, GatedSite, connection_limit
 from tokenizer_proc.manager import TokenizerManager
 from tokenizer_proc.middlewares import (ADMIN_KEY, API_KEY, BODY_TIMEOUT, GATE, HOST_RULE, MAX_BODY, HostRule,
                                         error_middleware, expect_handler, gate_middleware)
+from tokenizer_proc.response_store import ResponseStore
 from tokenizer_proc.tokenizer import Tokenizer, TokenizerPool
 from tokenizer_proc.validation import prompt_char_limit
 
@@ -61,6 +65,7 @@ def build_app(
     app[MAX_BODY] = server_args.max_request_bytes
     app[HEALTH_GENERATE_TIMEOUT] = health_generate_timeout
     app[ops_api.SCHEDULER_STATE] = ops_api.scheduler_state_getter(app)
+    app[responses_api.STORE] = ResponseStore()  # the Responses API's store: true responses
 
     async def scheduler_link(app: web.Application) -> AsyncIterator[None]:
         manager = TokenizerManager(ipc, server_args)
@@ -80,8 +85,14 @@ def build_app(
     for path, handler in (("/generate", native_api.generate),
                           ("/v1/completions", openai_api.completions),
                           ("/v1/chat/completions", openai_api.chat_completions),
-                          ("/abort_request", ops_api.abort_request)):
+                          ("/abort_request", ops_api.abort_request),
+                          ("/tokenize", tokenize_api.tokenize), ("/v1/tokenize", tokenize_api.tokenize),
+                          ("/detokenize", tokenize_api.detokenize), ("/v1/detokenize", tokenize_api.detokenize),
+                          ("/v1/messages", anthropic_api.messages),
+                          ("/v1/messages/count_tokens", anthropic_api.count_tokens),
+                          ("/v1/responses", responses_api.create), ("/v1/score", score_api.score)):
         r.add_post(path, handler, expect_handler=expect_handler)
+    r.add_get("/v1/responses/{response_id}", responses_api.retrieve)
     r.add_get("/v1/models", openai_api.list_models)
     # Hugging Face ids have a slash (org/model): the name is the rest of the path
     r.add_get("/v1/models/{model:.+}", openai_api.retrieve_model)

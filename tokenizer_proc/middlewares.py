@@ -93,9 +93,13 @@ HOST_RULE = web.AppKey("host_rule", HostRule)
 
 
 def _bearer_matches(request: web.Request, key: str) -> bool:
+    """`Authorization: Bearer KEY`, or Anthropic's header `x-api-key: KEY`
+    (what the `anthropic` client sends)."""
     given = request.headers.get("Authorization", "").encode("utf-8", "replace")
     # Constant-time comparison: no timing oracle for guessing the key.
-    return hmac.compare_digest(given, f"Bearer {key}".encode())
+    bearer = hmac.compare_digest(given, f"Bearer {key}".encode())
+    x_api_key = request.headers.get("x-api-key", "").encode("utf-8", "replace")
+    return hmac.compare_digest(x_api_key, key.encode()) or bearer
 
 
 def require_admin(request: web.Request, what: str) -> None:
@@ -144,17 +148,17 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except ApiError as e:
-        resp = api_error_response(e)
+        resp = error_response(e.message, e.status, e.err_type, request.path)
         if getattr(e, "close_connection", False):
             resp.force_close()
         return resp
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return error_response(e.reason, e.status, type(e).__name__.removeprefix("HTTP"))
+        return error_response(e.reason, e.status, type(e).__name__.removeprefix("HTTP"), request.path)
     except Exception as e:
         logger.exception("error while handling %s %s", request.method, request.path)
-        return error_response(f"internal error: {e}", 500, "InternalServerError")
+        return error_response(f"internal error: {e}", 500, "InternalServerError", request.path)
 
 
 def check_before_body(request: web.Request) -> None:

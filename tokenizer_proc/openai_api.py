@@ -27,9 +27,12 @@ from tokenizer_proc.logprobs import (TokenTexts, chat_logprobs, completion_logpr
                                      too_large_for_the_loop)
 from tokenizer_proc.middlewares import read_body
 from tokenizer_proc.openai_protocol import OpenAIInput, check_chat_request, check_completion_request
+from tokenizer_proc.reasoning import (ReasoningParser, ReasoningSplitter, Split, attach_thinking_budget,
+                                      reasoning_parser)
 from tokenizer_proc.request_output import RequestOutput
 from tokenizer_proc.sse import stream_events
-from tokenizer_proc.tool_output import StreamedCalls, finish_reason_with_calls, message
+from tokenizer_proc.tool_output import StreamedCalls, finish_reason_with_calls
+from tokenizer_proc.tool_output import message as tool_message
 from tokenizer_proc.tools import check_tool_schemas
 from tokenizer_proc.validation import parse_json_object
 
@@ -79,10 +82,12 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     else:
         pending = check_completion_request(body, info, request.app[PROMPT_CHAR_LIMIT])
     inp = pending.finish(await request.app[TOKENIZER_POOL].run(pending.encode, tokenizer))
+    attach_thinking_budget(inp, request.app[SERVER_ARGS].reasoning_parser, tokenizer)
     await check_grammars([spec.req.sampling_params.grammar for spec in inp.specs],
                          request.app[SERVER_ARGS])
-    shaper = (ChatShaper if chat else CompletionShaper)(inp, served_model_name(request.app),
-                                                        TokenTexts(tokenizer))
+    shaper = ChatShaper(inp, served_model_name(request.app), TokenTexts(tokenizer),
+                        reasoning_parser(request.app[SERVER_ARGS], inp)) if chat else \
+        CompletionShaper(inp, served_model_name(request.app), TokenTexts(tokenizer))
     gen = Generation(request.app[MANAGER], tokenizer, inp.specs, inp.stream, arrival,
                      request.app[SERVER_ARGS].max_logprob_entries)
     gen.submit()
@@ -284,9 +289,32 @@ class ChatShaper(Shaper):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, inp: OpenAIInput, model: str, texts: TokenTexts) -> None:
+    def __init__(self, inp: OpenAIInput, model: str, texts: TokenTexts,
+                 reasoning: ReasoningParser | None = None) -> None:
         super().__init__(inp, model, texts)
-        self.streamed: dict[int, StreamedCalls] = {}  # with tools: per choice, its calls so far
+        self.reasoning = reasoning  # None: the text is all content
+        self.splitters: dict[int, ReasoningSplitter] = {}  # per streamed choice
+        self.streamed: dict[int, StreamedCalls] = {}  # with tools: per streamed choice, its calls so far
+
+    def _splitter(self, k: int) -> ReasoningSplitter:
+        assert self.reasoning is not None
+        if k not in self.splitters:
+            self.splitters[k] = ReasoningSplitter.for_prompt(self.reasoning, self.inp.specs[k].req.input_ids,
+                                                             self.texts.tokenizer)
+        return self.splitters[k]
+
+    def split_whole(self, k: int, text: str) -> Split:
+        """Choice k's whole text as reasoning and content (all content without a parser)."""
+        return self._splitter(k).whole(text) if self.reasoning is not None else Split(content=text)
+
+    def split_delta(self, k: int, delta: str, done: bool) -> Split:
+        """Choice k's new text as reasoning and content; `done`: its last."""
+        if self.reasoning is None:
+            return Split(content=delta)
+        split = self._splitter(k).feed(delta)
+        if done:
+            split += self._splitter(k).flush()
+        return split
 
     def _logprobs(self, out: RequestOutput, start: int, end: int) -> dict[str, Any] | None:
         if not self.inp.logprobs:
@@ -303,24 +331,30 @@ class ChatShaper(Shaper):
 
     def choice(self, k: int, out: RequestOutput) -> dict[str, Any]:
         reason = finish_reason(out)
-        msg: dict[str, Any] = {"role": "assistant", "content": out.text}
-        if self.inp.tools is not None:
-            msg, reason = message(self.inp.tools, out.text, reason)
-        return {"index": k, "message": msg, "logprobs": self._logprobs(out, 0, out.text_ids_len()),
+        split = self.split_whole(k, out.text)
+        message: dict[str, Any] = {"role": "assistant", "content": split.content}
+        if self.inp.tools is not None:  # calls are read from the content (after any reasoning)
+            message, reason = tool_message(self.inp.tools, split.content, reason)
+        if self.reasoning is not None:
+            message["reasoning_content"] = split.reasoning or None
+        return {"index": k, "message": message,
+                "logprobs": self._logprobs(out, 0, out.text_ids_len()),
                 "finish_reason": reason, "matched_stop": _matched_stop(out)}
 
     def delta_choice(self, k: int, out: RequestOutput, delta: str, lp_start: int, lp_end: int,
                      reason: str | None) -> dict[str, Any] | None:
+        split = self.split_delta(k, delta, done=reason is not None)
         logprobs = self._logprobs(out, lp_start, lp_end)
         if self.inp.tools is None:
-            fields = {"content": delta} if delta else {}
+            fields = {key: v for key, v in (("reasoning_content", split.reasoning), ("content", split.content)) if v}
         else:
             calls = self.streamed.setdefault(k, StreamedCalls(self.inp.tools))
-            fields = calls.delta(delta, done=reason is not None)
+            fields = {"reasoning_content": split.reasoning} if split.reasoning else {}
+            fields.update(calls.delta(split.content, done=reason is not None))
             if reason is not None:
                 reason = finish_reason_with_calls(reason, calls.parsed)
             elif not fields and logprobs is None:
-                return None
+                return None  # held back: a tool call's start, undecided
         choice = {"index": k, "delta": fields, "logprobs": logprobs, "finish_reason": reason}
         if reason is not None:
             choice["matched_stop"] = _matched_stop(out)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.messages import Grammar, ModelInfo, SamplingParams, TokenizedGenerateReq
+from tokenizer_proc.chat_options import ChatOptions, check_chat_options
 from tokenizer_proc.errors import BadRequestError
 from tokenizer_proc.grammar import grammar_from_fields, grammar_from_response_format
 from tokenizer_proc.protocol import (MAX_N, MAX_OUTPUTS, check_fits_context, check_prompt_id_count, check_prompt_ids,
@@ -52,6 +53,7 @@ class OpenAIInput:
     # none of it shown or counted: the answer is the prompt alone
     hide_output: bool = False
     tools: ToolRequest | None = None  # chat with tools that may be called: the output is parsed for calls
+    chat: ChatOptions | None = None  # chat: template and reasoning options
 
 
 def _refuse_unless_default(body: dict[str, Any]) -> None:
@@ -135,6 +137,7 @@ class PendingOpenAI:
     tools: ToolRequest | None = None
     echo: bool = False
     hide_output: bool = False
+    chat: ChatOptions | None = None
 
     def encode(self, tokenizer: Tokenizer) -> list[tuple[list[int], str]]:
         """Each prompt's ids and text (echo's: as sent, or the ids decoded)."""
@@ -142,8 +145,14 @@ class PendingOpenAI:
         if self.messages is not None:
             shown = self.tools is not None and self.tools.active  # "none": the tools are not shown
             try:
-                ids = tokenizer.apply_chat_template(self.messages, tools=self.tools.raw) if shown \
-                    else tokenizer.apply_chat_template(self.messages)
+                chat = self.chat or ChatOptions()
+                tools = self.tools.raw if shown else None
+                if chat.template_defaults:
+                    ids = tokenizer.apply_chat_template(self.messages, tools) if tools \
+                        else tokenizer.apply_chat_template(self.messages)
+                else:
+                    ids = tokenizer.apply_chat_template(self.messages, tools, continue_final=chat.continue_final,
+                                                        template_kwargs=chat.template_kwargs)
             except NoChatTemplateError as e:
                 raise BadRequestError(str(e)) from None
             except Exception as e:  # the template's own checks (role order, ...) are client errors
@@ -187,7 +196,7 @@ class PendingOpenAI:
                                          group=request_id if len(prompts) * n > 1 else None))
         inp = OpenAIInput(request_id=request_id, specs=specs, prompt_tokens=sum(len(p) for p in prompts),
                           stream=self.stream, include_usage=self.include_usage, logprobs=self.logprobs,
-                          top_logprobs=self.top_logprobs,
+                          top_logprobs=self.top_logprobs, chat=self.chat,
                           tools=self.tools if self.tools is not None and self.tools.active else None)
         if self.echo:
             inp.echo, inp.hide_output = True, self.hide_output
@@ -353,6 +362,7 @@ def check_chat_request(body: dict[str, Any], info: ModelInfo, char_limit: int | 
         raise BadRequestError("echo is not supported on chat completions (only on /v1/completions)")
     pending = _check_common(body, 1, info, "chatcmpl", None, logprobs=logprobs, top_logprobs=top)
     pending.tools = tools
+    pending.chat = check_chat_options(body, [m["role"] for m in messages])
     if ids is None:
         pending.messages = messages
     else:

@@ -52,8 +52,9 @@ class Tokenizer(Protocol):
     # a prompt longer than context length x this cannot fit, whatever its tokens
     max_token_chars: int
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a prompt, with the BOS token the model expects."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt, with the BOS token the model expects (none
+        without add_special_tokens)."""
         ...
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
@@ -61,10 +62,13 @@ class Tokenizer(Protocol):
     # the parser of the tool-call format the chat template teaches (hermes, ...), or None
     implied_tool_parser: str | None
 
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+                            continue_final: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt ids for a chat, ending with the assistant's turn opener; with
-        `tools` (OpenAI's tool objects) the template lists them."""
+        `tools` (OpenAI's tool objects) the template lists them; with
+        `continue_final`, ending inside the last (assistant) message instead, to
+        be completed. `template_kwargs`: variables for the template (e.g.
+        enable_thinking)."""
         ...
 
 
@@ -115,15 +119,15 @@ class HFTokenizer:
         # characters of the decoded token too
         self.max_token_chars = max(len(t) for t in self.tok.get_vocab())
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The tokenizer's own default decides BOS (Llama adds it, SmolLM does not).
-        return list(self.tok.encode(text))
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+                            continue_final: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if not getattr(self.tok, "chat_template", None):
             raise NoChatTemplateError()
         extra: dict[str, Any] = {}
@@ -133,8 +137,12 @@ class HFTokenizer:
             extra = {"chat_template": self.tool_template, "tools": tools or None}
         # Render to text and encode without special tokens: the template already
         # writes any BOS itself. (tokenize=True returns a BatchEncoding in
-        # transformers 5 and a list in 4; text works in both.)
-        prompt = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+        # transformers 5 and a list in 4; text works in both.) continue_final:
+        # transformers renders without the generation prompt and cuts the text
+        # after the last message's content.
+        prompt = self.tok.apply_chat_template(messages, add_generation_prompt=not continue_final,
+                                              continue_final_message=continue_final, tokenize=False,
+                                              **{**(template_kwargs or {}), **extra})
         return list(self.tok.encode(prompt, add_special_tokens=False))
 
 
@@ -174,8 +182,8 @@ class SentencePieceTokenizer:
         self.max_token_chars = max(len(self.sp.id_to_piece(i)) for i in range(self.vocab_size))
         self.implied_tool_parser: str | None = None
 
-    def encode(self, text: str) -> list[int]:
-        return self._bos() + self.sp.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return (self._bos() if add_special_tokens else []) + self.sp.encode(text)
 
     def _bos(self) -> list[int]:
         return [self.bos_id] if self.bos_id >= 0 else []
@@ -207,14 +215,17 @@ class SentencePieceTokenizer:
                 parts.append(self.sp.id_to_piece(i))
         return "".join(parts)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+                            continue_final: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Llama 2's [INST] format: each finished exchange is
         `<s>[INST] user [/INST] answer </s>`; a system prompt goes inside the
-        first user turn. It has no tools."""
+        first user turn. continue_final: the last (assistant) answer is left
+        open. template_kwargs: no template variables here (a Jinja template
+        ignores those it does not use, as this format does). It has no tools."""
         if uses_tools(messages, tools):
             raise NoChatTemplateError(NO_TOOL_TEMPLATE)
         msgs = [dict(m) for m in messages]
+        final = msgs.pop() if continue_final else None
         if msgs and msgs[0].get("role") == "system":
             system = msgs.pop(0)["content"]
             if not msgs or msgs[0].get("role") != "user":
@@ -232,4 +243,6 @@ class SentencePieceTokenizer:
                 ids += self._bos() + self.sp.encode(f"[INST] {content} [/INST]")
             else:
                 ids += self.sp.encode(f" {content} ") + self.eos_token_ids[:1]
+        if final is not None:
+            ids += self.sp.encode(f" {str(final.get('content', '')).strip()}")
         return ids

@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -73,6 +74,9 @@ class AttentionMetadata:
     inputs: StepInputs  # the step's (or one part's, in a mixed step split by the native backend)
     # decode: the windowed KV of each window a layer uses, built by its first layer
     windows: dict[int, WindowKV] = field(default_factory=dict, kw_only=True)
+    # with a window pool: the step's slot tensors in the sliding layers'
+    # numbering (AttentionBackend.layer_slots), made by the first such layer
+    in_window: dict[Any, Any] = field(default_factory=dict, kw_only=True)
 
     def window_kv(self, window: int) -> WindowKV:
         kv = self.windows.get(window)
@@ -123,6 +127,30 @@ class AttentionBackend(ABC):
         self.layers = list(layers) if layers is not None else [FULL] * kv_pool.num_layers
         if len(self.layers) != kv_pool.num_layers:
             raise ValueError(f"{len(self.layers)} layer specs for a pool of {kv_pool.num_layers} layers")
+
+    def layer_slots(self, meta: AttentionMetadata, layer_id: int, key: str, slots: torch.Tensor) -> torch.Tensor:
+        """`slots` (the step's, in the full pool's numbering; `key` names
+        them for the step's cache) as layer_id's buffers number them: the
+        same, but for a sliding layer with a window pool."""
+        if not self.kv_pool.windowed[layer_id]:
+            return slots
+        out = meta.in_window.get(key)
+        if out is None:
+            out = meta.in_window[key] = self.kv_pool.to_window(slots)
+        return out
+
+    def layer_window_kv(self, meta: AttentionMetadata, layer_id: int) -> WindowKV:
+        """A sliding layer's decode KV (each row's last `window` slots), as
+        its buffers number them."""
+        window = self.layers[layer_id].window
+        assert window is not None
+        kv = meta.window_kv(window)
+        if not self.kv_pool.windowed[layer_id]:
+            return kv
+        out = meta.in_window.get(window)
+        if out is None:
+            out = meta.in_window[window] = WindowKV(kv.kv_indptr, self.kv_pool.to_window(kv.kv_indices), kv.max_len)
+        return out
 
     @abstractmethod
     def init_forward_metadata(self, inputs: StepInputs) -> AttentionMetadata:

@@ -153,9 +153,9 @@ class NativeAttnBackend(AttentionBackend):
         if meta.is_decode:
             # a sliding layer: each row's last `window` slots (the op stores
             # the new token first, the last of them)
-            kv = meta if window is None else meta.window_kv(window)
+            kv = meta if window is None else self.layer_window_kv(meta, layer_id)
             return self.op.decode(out, q, k_buf, v_buf, kv.kv_indptr, kv.kv_indices, self.scale, kv.max_len,
-                                  k, v, meta.out_cache_loc)
+                                  k, v, self.layer_slots(meta, layer_id, "out", meta.out_cache_loc))
         return self.op.extend(out, q, k_buf, v_buf, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, self.scale,
                               k, v, meta.out_cache_loc)
 

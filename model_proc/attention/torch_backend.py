@@ -26,8 +26,9 @@ class TorchAttnMetadata(AttentionMetadata):
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     max_len: int = 0
-    # decode: per window a layer uses, the mask of each row's last `window` entries
-    decode_window_masks: dict[int, torch.Tensor] | None = None
+    # decode: per window a layer uses, the same for each row's last `window`
+    # slots only ([B, min(max_len, window)]): no key outside it is read
+    decode_windows: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class GatherWorkspace:
@@ -88,12 +89,18 @@ class TorchAttnBackend(AttentionBackend):
             max_len = inputs.max_seq_len
             cols = torch.arange(max_len, device=inputs.seq_lens.device)
             valid = cols[None, :] < inputs.seq_lens[:, None]
-            slots = self.req_to_token.table[inputs.req_pool_indices, :max_len].to(torch.int64).masked_fill_(~valid, 0)
-            # a sliding layer's decode token at position s - 1 sees s - window .. s - 1
-            window_masks = {w: (valid & (cols[None, :] >= inputs.seq_lens[:, None] - w))[:, None, None, :]
-                            for w in self.windows}
+            table = self.req_to_token.table
+            slots = table[inputs.req_pool_indices, :max_len].to(torch.int64).masked_fill_(~valid, 0)
+            windows = {}
+            for w in self.windows:
+                # a sliding layer's decode token at position s - 1 sees s - window .. s - 1
+                first = (inputs.seq_lens - w).clamp(min=0)
+                pos = first[:, None] + cols[None, :min(max_len, w)]
+                seen = pos < inputs.seq_lens[:, None]
+                w_slots = torch.gather(table[inputs.req_pool_indices], 1, pos.masked_fill(~seen, 0))
+                windows[w] = (w_slots.to(torch.int64).masked_fill_(~seen, 0).flatten(), seen[:, None, None, :])
             return TorchAttnMetadata(inputs, decode_slots=slots.flatten(), decode_mask=valid[:, None, None, :],
-                                     max_len=max_len, decode_window_masks=window_masks)
+                                     max_len=max_len, decode_windows=windows)
         # EXTEND, and MIXED (its decoding rows are extend rows of one token here)
         inputs.kv_indices  # gathered here, once per step, rather than by the first layer
         qo_bounds, prefix_bounds = [], []
@@ -106,25 +113,29 @@ class TorchAttnBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: TorchAttnMetadata) -> torch.Tensor:
-        self.kv_pool.store(layer_id, meta.out_cache_loc, k, v)
+        self.kv_pool.store(layer_id, self.layer_slots(meta, layer_id, "out", meta.out_cache_loc), k, v)
         if meta.is_decode:
             return self._decode(q, layer_id, meta)
         return self._extend(q, k, v, layer_id, meta)
 
     def _decode(self, q: torch.Tensor, layer_id: int, meta: TorchAttnMetadata) -> torch.Tensor:
-        max_len = meta.max_len
         spec = self.layers[layer_id]
-        mask = meta.decode_mask if spec.window is None else meta.decode_window_masks[spec.window]
+        if spec.window is None:
+            slots, mask = meta.decode_slots, meta.decode_mask
+        else:
+            slots, mask = meta.decode_windows[spec.window]
+            slots = self.layer_slots(meta, layer_id, f"decode{spec.window}", slots)
+        max_len = mask.shape[-1]
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         row_bytes = 2 * max_len * k_buf[0].numel() * k_buf.element_size()  # one row's K + V, padded
         chunk = max(1, min(meta.batch_size, self.decode_chunk_bytes // row_bytes))
         k_ws, v_ws = self.workspace.get(chunk * max_len, k_buf)
         if chunk == meta.batch_size:
-            return self._decode_rows(q, k_buf, v_buf, meta.decode_slots, mask, k_ws, v_ws, spec.softcap)
+            return self._decode_rows(q, k_buf, v_buf, slots, mask, k_ws, v_ws, spec.softcap)
         out = torch.empty_like(q)
         for r0 in range(0, meta.batch_size, chunk):
             r1 = min(r0 + chunk, meta.batch_size)
-            out[r0:r1] = self._decode_rows(q[r0:r1], k_buf, v_buf, meta.decode_slots[r0 * max_len:r1 * max_len],
+            out[r0:r1] = self._decode_rows(q[r0:r1], k_buf, v_buf, slots[r0 * max_len:r1 * max_len],
                                            mask[r0:r1], k_ws, v_ws, spec.softcap)
         return out
 
@@ -173,7 +184,8 @@ class TorchAttnBackend(AttentionBackend):
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         spec = self.layers[layer_id]
         if spec.window is not None or spec.softcap is not None:
-            return self._extend_masked(q, k, v, k_buf, v_buf, spec, meta)
+            return self._extend_masked(q, k, v, k_buf, v_buf, spec, meta,
+                                       self.layer_slots(meta, layer_id, "kv", meta.kv_indices))
         out = torch.empty_like(q)
         for (q0, q1), (p0, p1) in zip(meta.qo_bounds, meta.prefix_bounds):
             # [1, heads, tokens, D]: the CPU flash kernel takes 4-d inputs only
@@ -194,7 +206,8 @@ class TorchAttnBackend(AttentionBackend):
         return out
 
     def _extend_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
-                       v_buf: torch.Tensor, spec: LayerAttention, meta: TorchAttnMetadata) -> torch.Tensor:
+                       v_buf: torch.Tensor, spec: LayerAttention, meta: TorchAttnMetadata,
+                       kv_indices: torch.Tensor) -> torch.Tensor:
         """Extend for a sliding or soft-capped layer: per row, the queries
         over the part of the prefix any of them can still see (a window's
         worth at most) and the new tokens, with an explicit mask of who sees
@@ -208,7 +221,7 @@ class TorchAttnBackend(AttentionBackend):
             prefix = p1 - p0
             # the first new token (position `prefix`) sees keys from prefix - window + 1 on
             first = 0 if spec.window is None else max(0, prefix - spec.window + 1)
-            slots = meta.kv_indices[p0 + first:p1]
+            slots = kv_indices[p0 + first:p1]
             rk = torch.cat([k_buf.index_select(0, slots), k[q0:q1]]).transpose(0, 1)  # [kv_heads, L, D]
             rv = torch.cat([v_buf.index_select(0, slots), v[q0:q1]]).transpose(0, 1)
             kpos = torch.arange(first, prefix + q1 - q0, device=q.device)

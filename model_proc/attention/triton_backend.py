@@ -65,7 +65,7 @@ class TritonAttnBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: TritonAttnMetadata) -> torch.Tensor:
         k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
-        self.kv_ops.store_kv(k_buf, v_buf, meta.out_cache_loc, k, v)
+        self.kv_ops.store_kv(k_buf, v_buf, self.layer_slots(meta, layer_id, "out", meta.out_cache_loc), k, v)
         o = q.new_empty(q.shape[0], q.shape[1], v_buf.shape[2])
         spec = self.layers[layer_id]
         cap = spec.softcap or 0.0  # the kernels' "none"
@@ -74,11 +74,12 @@ class TritonAttnBackend(AttentionBackend):
                 meta.decode_scratch = self.decode_kernels.decode_scratch(
                     meta.batch_size, q.shape[1], v_buf.shape[2], meta.num_kv_splits, q.device)
             # a sliding layer: each row's last `window` slots, no kernel change
-            kv = meta if spec.window is None else meta.window_kv(spec.window)
+            kv = meta if spec.window is None else self.layer_window_kv(meta, layer_id)
             return self.decode_kernels.decode_attention_fwd(
                 q, k_buf, v_buf, o, kv.kv_indptr, kv.kv_indices, self.scale,
                 meta.num_kv_splits, meta.decode_scratch, logit_cap=cap)
         assert meta.prefix_indptr is not None and meta.prefix_indices is not None
         return self.extend_kernels.extend_attention_fwd(
-            q, k, v, o, k_buf, v_buf, meta.qo_indptr, meta.prefix_indptr, meta.prefix_indices,
+            q, k, v, o, k_buf, v_buf, meta.qo_indptr, meta.prefix_indptr,
+            self.layer_slots(meta, layer_id, "prefix", meta.prefix_indices),
             meta.max_extend_len, self.scale, sliding_window=spec.window or 0, logit_cap=cap)

@@ -11,6 +11,7 @@ import torch
 
 from common.messages import ForwardBatch, ForwardMode
 from model_proc.attention import AttentionBackend, create_attention_backend
+from model_proc.attention.base import FULL, LayerAttention
 from model_proc.kv_cache import KVPool, ReqToTokenTable
 from tests.helpers import step_inputs
 from tests.kernels.kernel_inputs import rel_err
@@ -119,3 +120,51 @@ def test_triton_backend_refuses_a_cpu_without_the_interpreter(monkeypatch: pytes
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="CUDA"):
         make_backend("triton", gen)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_a_sliding_layer_reads_and_writes_through_the_window_pool(name: str, mode: str, gen: torch.Generator) -> None:
+    """Layer 1 slides (window 16) and keeps its K/V in a window pool of 128
+    slots, paired with the full slots its rows' windows still see (scattered,
+    page size 1; the rest unpaired): the step's output equals the same step
+    over one pool, and the new tokens' K/V land in their window slots."""
+    window, window_pool = 16, 128
+    layers = [FULL, LayerAttention(window=window)]
+    one = KVPool(POOL, num_layers=2, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32, device="cpu")
+    two = KVPool(POOL, num_layers=2, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32, device="cpu",
+                 windowed=[False, True], window_size=window_pool, page_size=1)
+    for buf in one.k_buffer + one.v_buffer:
+        buf[1:] = torch.randn(buf[1:].shape, generator=gen)
+    two.k_buffer[0].copy_(one.k_buffer[0])
+    two.v_buffer[0].copy_(one.v_buffer[0])
+    table = ReqToTokenTable(num_rows=5, context_len=400, device="cpu")
+    if mode == "decode":
+        rows, seq_lens, prefix_lens = [3, 1, 4, 2, 5], [37, 1, 300, 5, 96], [36, 0, 299, 4, 95]
+    else:
+        rows, seq_lens, prefix_lens = [2, 4, 1, 5], [20, 6, 9, 330], [12, 0, 8, 300]
+    slots = (torch.randperm(POOL, generator=gen) + 1).to(torch.int32)
+    used = 0
+    for row, n in zip(rows, seq_lens):
+        table.table[row, :n] = slots[used:used + n]
+        used += n
+    # what the rows' sliding layer sees: from its first new token's window on
+    seen = torch.cat([table.table[r, max(0, p - window + 1):s].long() for r, s, p in zip(rows, seq_lens, prefix_lens)])
+    paired = torch.randperm(window_pool, generator=gen)[:seen.numel()] + 1
+    two.pair_pages(torch.stack([seen - 1, paired - 1], 1).view(-1).tolist())  # page = slot - 1 at page size 1
+    for a, b in ((one.k_buffer[1], two.k_buffer[1]), (one.v_buffer[1], two.v_buffer[1])):
+        b[paired] = a[seen]
+    loc = torch.cat([table.table[r, p:s].long() for r, s, p in zip(rows, seq_lens, prefix_lens)])
+    t = loc.numel()
+    q = torch.randn(t, Q_HEADS, HEAD_DIM, generator=gen)
+    k = torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen)
+    outs = []
+    for pool in (one, two):
+        backend = create_attention_backend(name, pool, table, scale=HEAD_DIM ** -0.5, layers=layers)
+        batch = make_batch(mode, rows, seq_lens, [] if mode == "decode" else prefix_lens, t)
+        meta = backend.init_forward_metadata(step_inputs(batch, table.table, loc))
+        outs.append(backend.forward(q, k, v, layer_id=1, meta=meta))
+    assert rel_err(outs[1], outs[0]) < 1e-5
+    assert torch.equal(two.k_buffer[1][two.to_window(loc)], k)
+    assert torch.equal(two.v_buffer[1][two.to_window(loc)], v)

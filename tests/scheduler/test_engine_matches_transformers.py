@@ -13,6 +13,7 @@ import torch
 from common.messages import BatchTokenOut, SamplingParams, TokenizedGenerateReq
 from common.server_args import ServerArgs
 from model_proc.runner import ModelRunner
+from scheduler_proc.kv_invariant import check_kv_invariant
 from scheduler_proc.scheduler import Scheduler
 from tests.helpers import greedy_parting, hf_greedy_with_top, load_hf
 from tests.scheduler.test_scheduler import assert_no_leak
@@ -213,6 +214,47 @@ def test_sliding_window_engines_equal_transformers_with_chunks_cache_and_retract
     assert sum(engine.reqs[r].cache_hit_tokens for r in "de") >= 32  # the shared prefix came from the cache
     engine.assert_no_leak()
     partings = check_against_transformers(engine, folder, arrivals)
+    assert not partings, partings
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_window_pool_bounds_sliding_layers_kv_and_the_engine_still_equals_transformers(backend, tiny_gemma3_dir):
+    """Gemma 3's sliding layers (window 16) keep their K/V in a window pool of
+    112 slots (--swa-full-tokens-ratio 0.1 of a 1024-token pool, raised to
+    what 3 running windows and a 32-token chunk need) while the running
+    requests hold over twice that in the full pool: a request's sliding-layer
+    KV is bounded by its window, not its length. Prompts longer than the
+    window go in chunks, a request starts from another's cached prefix
+    while its window pages are still held, and the greedy tokens equal
+    transformers'."""
+    rng = random.Random(5)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, 512) for _ in range(n)]
+
+    shared = prompt(100)
+    first = shared + prompt(30)
+    arrivals = {0: [("a", first, 40)], 6: [("d", first + prompt(6), 20)],
+                8: [("b", prompt(110), 30), ("c", prompt(70), 45)]}
+    engine = Engine(tiny_gemma3_dir, max_running_requests=3, max_total_tokens=1024, page_size=4,
+                    chunked_prefill_size=32, swa_full_tokens_ratio=0.1, attention_backend=backend)
+    cache = engine.sched.cache
+    assert cache.window_pool is not None and cache.window_pool.size == 112
+    peak_full = 0
+    step = engine.sched.step
+
+    def step_and_measure():
+        nonlocal peak_full
+        batch = step()
+        peak_full = max(peak_full, cache.size - cache.allocator.available() - cache.tree.evictable_size)
+        assert (error := check_kv_invariant(cache)) is None, error
+        return batch
+    engine.sched.step = step_and_measure
+    engine.run(arrivals)
+    assert peak_full > 2 * cache.window_pool.size
+    assert engine.reqs["d"].cache_hit_tokens >= 120
+    engine.assert_no_leak()
+    partings = check_against_transformers(engine, tiny_gemma3_dir, arrivals)
     assert not partings, partings
 
 

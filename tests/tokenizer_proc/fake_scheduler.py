@@ -12,7 +12,8 @@ requests get no answer at all (a stuck engine); with `hold` set, every new
 request behaves like a "hang..." one (for routes whose rids the server picks).
 
 Logprobs, when asked for, are made up but checkable: token t has logprob
--t/1000, and its top-n list is (t, t+1, ...) with logprobs -(t+j)/1000. Prompt
+-t/1000, and its top-n list is (t, t+1, ...) with logprobs -(t+j)/1000;
+token_ids_logprob's id j has -j/1000 at every position. Prompt
 logprobs (logprob_start_len >= 0) follow the same rule, in the first message,
 the first entry None (the real scheduler's layout).
 """
@@ -108,6 +109,9 @@ class FakeScheduler:
         lps = [-t / 1000 for t in new] if req.return_logprob else []
         tops = ([[(-((t + j) % self.vocab_size) / 1000, (t + j) % self.vocab_size)
                   for j in range(req.top_logprobs_num)] for t in new] if req.return_logprob else [])
+        # token_ids_logprob: id j has logprob -j/1000 at every position
+        ids_lps = ([[-j / 1000 for j in req.token_ids_logprob] for _ in new]
+                   if req.return_logprob and req.token_ids_logprob else [])
         in_lps: list = []
         in_tops: list = []
         if req.return_logprob and req.logprob_start_len >= 0 and req.rid not in self._prompt_lps_sent:
@@ -122,7 +126,7 @@ class FakeScheduler:
             prompt_tokens=[len(req.input_ids)], completion_tokens=[done],
             cached_tokens=[0], num_retractions=[0],
             output_token_logprobs=[lps], output_top_logprobs=[tops],
-            input_token_logprobs=[in_lps], input_top_logprobs=[in_tops])
+            input_token_logprobs=[in_lps], input_top_logprobs=[in_tops], output_token_ids_logprobs=[ids_lps])
         await self.push.send(self._encoder.encode(out))
 
     async def _serve(self, req: TokenizedGenerateReq) -> None:

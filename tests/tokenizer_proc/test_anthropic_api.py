@@ -1,0 +1,149 @@
+"""Anthropic's Messages API, driven by the `anthropic` client itself (raw
+HTTP where the client hides the wire format), fake scheduler behind the app."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import pytest
+
+from tests.tokenizer_proc.samples import TEXT
+from tests.tokenizer_proc.server_harness import Server, post
+from tokenizer_proc.tokenizer import load_tokenizer
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(hf_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tok = load_tokenizer(str(hf_folder))
+    srv = Server(tok, tmp_path_factory.mktemp("ipc"))
+    srv.fake.script = tok.encode(TEXT)  # (the harness drops a SentencePiece BOS; this tokenizer adds none)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Iterator[anthropic.Anthropic]:
+    c = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=10)
+    yield c
+    c.close()
+
+
+def prompt_of_last_request(server: Server) -> str:
+    return server.tokenizer.decode(server.fake.requests()[-1].input_ids, skip_special_tokens=False)
+
+
+def test_a_message_answers_in_anthropic_shape(server: Server, client: anthropic.Anthropic) -> None:
+    m = client.messages.create(model="test", max_tokens=100, messages=HI)
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_") and m.model == "test"
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == TEXT
+    assert m.stop_reason == "end_turn" and m.stop_sequence is None
+    assert m.usage.input_tokens == len(server.fake.requests()[-1].input_ids)
+    assert m.usage.output_tokens == len(server.tokenizer.encode(TEXT)) + 1  # EOS counted
+
+
+def test_system_blocks_and_turns_go_through_the_chat_template(server: Server, client: anthropic.Anthropic) -> None:
+    client.messages.create(model="test", max_tokens=5, system=[{"type": "text", "text": "Be "}, {"type": "text",
+                                                                                                   "text": "brief."}],
+                           messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                                     {"role": "assistant", "content": "Hello."},
+                                     {"role": "user", "content": "again"}])
+    assert prompt_of_last_request(server) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi"
+                                              "<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n"
+                                              "<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_last_assistant_message_is_continued(server: Server, client: anthropic.Anthropic) -> None:
+    client.messages.create(model="test", max_tokens=5, messages=HI + [{"role": "assistant", "content": "Sure:"}])
+    assert prompt_of_last_request(server).endswith("<|im_start|>assistant\nSure:")
+
+
+def test_max_tokens_and_stop_sequences_set_the_stop_reason(server: Server, client: anthropic.Anthropic) -> None:
+    # (this client version no longer sends sampling fields itself)
+    m = client.messages.create(model="test", max_tokens=3, messages=HI, extra_body={"temperature": 0.5, "top_k": 4})
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 3
+    req = server.fake.requests()[-1]
+    assert req.sampling_params.temperature == 0.5 and req.sampling_params.top_k == 4
+    m = client.messages.create(model="test", max_tokens=100, messages=HI, stop_sequences=["wörld"])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == "wörld"
+    assert m.content[0].text == TEXT[:TEXT.index("wörld")]
+
+
+def test_a_stream_has_anthropic_events_and_adds_up_to_the_message(server: Server,
+                                                                  client: anthropic.Anthropic) -> None:
+    names = []
+    with client.messages.stream(model="test", max_tokens=100, messages=HI) as stream:
+        for event in stream:
+            names.append(event.type)
+        final = stream.get_final_message()
+    assert final.content[0].text == TEXT and final.stop_reason == "end_turn"
+    assert final.usage.output_tokens == len(server.fake.script) + 1
+    raw = [n for n in names if n not in ("text",)]  # the client adds its own "text" events
+    assert raw[:2] == ["message_start", "content_block_start"]
+    assert raw[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(raw[2:-3]) == {"content_block_delta"}
+
+
+def test_the_raw_stream_names_each_event_and_carries_the_stop_reason(server: Server) -> None:
+    status, _, body = post(server, {"model": "t", "max_tokens": 3, "messages": HI, "stream": True}, "/v1/messages")
+    assert status == 200
+    events = [chunk.split("\n") for chunk in body.decode().strip().split("\n\n")]
+    assert all(e[0].startswith("event: ") and e[1].startswith("data: ") for e in events)
+    data = [json.loads(e[1][len("data: "):]) for e in events]
+    assert all(e[0] == f"event: {d['type']}" for e, d in zip(events, data))
+    delta = next(d for d in data if d["type"] == "message_delta")
+    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert delta["usage"] == {"output_tokens": 3}
+
+
+def test_count_tokens_counts_the_templated_prompt(server: Server, client: anthropic.Anthropic) -> None:
+    r = client.messages.count_tokens(model="test", system="Be brief.", messages=HI)
+    ids = server.tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."}] + HI)
+    assert r.input_tokens == len(ids)
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"max_tokens": 5, "messages": []}, "at least one message"),
+    ({"messages": HI}, "max_tokens: field required"),
+    ({"max_tokens": 0, "messages": HI}, "max_tokens must be >= 1"),
+    ({"max_tokens": "5", "messages": HI}, "max_tokens must be an integer"),
+    ({"max_tokens": 5, "messages": HI, "temperature": 1.5}, "temperature must be in"),
+    ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "role must be"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "only text blocks"),
+])
+def test_bad_requests_get_anthropics_error_shape(server: Server, body: dict, message: str) -> None:
+    status, _, raw = post(server, {"model": "test", **body}, "/v1/messages")
+    err = json.loads(raw)
+    assert status == 400 and err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert message in err["error"]["message"]
+
+
+def test_the_client_raises_its_own_error_for_a_bad_request(client: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="test", max_tokens=5, messages=[])
+    assert "at least one message" in str(e.value)
+
+
+def test_thinking_is_ignored_by_a_server_without_a_reasoning_parser(server: Server,
+                                                                    client: anthropic.Anthropic) -> None:
+    m = client.messages.create(model="test", max_tokens=3, messages=HI,
+                               thinking={"type": "enabled", "budget_tokens": 1024})
+    assert m.content[0].type == "text" and server.fake.requests()[-1].thinking_budget is None
+
+
+def test_the_api_key_may_come_as_x_api_key(server: Server, tmp_path: Path) -> None:
+    keyed = Server(server.tokenizer, tmp_path, api_key="sekret")
+    try:
+        ok = anthropic.Anthropic(base_url=keyed.url, api_key="sekret", max_retries=0, timeout=10)
+        assert ok.messages.count_tokens(model="test", messages=HI).input_tokens > 0
+        bad = anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0, timeout=10)
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            bad.messages.count_tokens(model="test", messages=HI)
+        assert e.value.body["error"]["type"] == "authentication_error"  # Anthropic's shape, from the gate
+    finally:
+        keyed.stop()
