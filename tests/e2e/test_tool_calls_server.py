@@ -145,7 +145,7 @@ def test_random_schemas_in_a_busy_batch_always_give_valid_calls(server: ServerPr
         sampled = k % 4 >= 2
         jobs.append((schema, dict(model="m", messages=[{"role": "user", "content": f"Record item {k}."}],
                                   tools=[tool], tool_choice=choice, parallel_tool_calls=False,
-                                  max_tokens=100, temperature=1.0 if sampled else 0.0, seed=k)))
+                                  max_tokens=160, temperature=1.0 if sampled else 0.0, seed=k)))
     retracted_before = sum("Retract requests" in line for line in server.log)
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         answers = list(pool.map(lambda job: client.chat.completions.create(**job[1]).choices[0], jobs))
