@@ -51,6 +51,14 @@ def escape_controls(fragment: str, scanner: JsonValueScanner) -> str:
     return "".join(out)
 
 
+def _unquote(body: str) -> str:
+    """A JSON string's body decoded (as written, if its escapes are not JSON's)."""
+    try:
+        return json.loads(f'"{body}"')
+    except ValueError:
+        return body
+
+
 class JsonValueScanner:
     """Where a JSON value ends, fed in pieces: nesting depth, strings and
     their escapes tracked; nothing parsed."""
@@ -140,7 +148,7 @@ class JsonCallReader:
         if self.stage is Stage.HEAD:
             m = _HEAD.match(text)
             if m is not None:
-                start = self.parser.start_call(json.loads(f'"{m.group(1)}"'))
+                start = self.parser.start_call(_unquote(m.group(1)))
                 self.index = start.index
                 events.append(start)
                 pos = m.end()
