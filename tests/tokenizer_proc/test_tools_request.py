@@ -245,3 +245,17 @@ def test_the_stream_has_openais_delta_shape(app: Server) -> None:
     assert seen == {0, 1}
     assert "".join(d.get("content") or "" for d in deltas) == "Let me check."
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_format_whose_trigger_is_a_special_token_keeps_special_tokens_in_the_text(hf_folder: Path) -> None:
+    from tests.tokenizer_proc.test_chat_template import info_for
+    from tokenizer_proc.openai_protocol import check_chat_request
+
+    tok = load_tokenizer(str(hf_folder))
+    info = msgspec.structs.replace(info_for(tok), context_len=4096)
+    for parser, keeps in (("llama3", True), ("mistral", True), ("hermes", False)):
+        pending = check_chat_request({"messages": ASK, "tools": [WEATHER]}, info, tool_parser=parser)
+        sp = pending.finish(pending.encode(tok)).specs[0].req.sampling_params
+        assert sp.skip_special_tokens is (not keeps) and sp.grammar.kind is GrammarKind.STRUCTURAL_TAG
+    with pytest.raises(BadRequestError, match="--tool-call-parser"):  # a template that implies no format
+        check_chat_request({"messages": ASK, "tools": [WEATHER]}, info, tool_parser=None)
