@@ -73,6 +73,12 @@ CASES = {
     "tp2_phi3_fused_checkpoint": (2, {"model_type": "phi3"}),
     # Qwen3: the q/k norms on a rank's share of the heads, its one KV head a copy
     "tp2_qwen3_kv_heads_replicated": (2, {"model_type": "qwen3", "num_key_value_heads": 1}),
+    # Gemma 3: sliding layers (window 4, so the prompts cross it) with their K/V in the window pool
+    "tp2_gemma3_sliding_window": (2, {"model_type": "gemma3_text", "sliding_window": 4, "query_pre_attn_scalar": 24,
+                                      "layer_types": ["sliding_attention", "full_attention"]}),
+    # Gemma 2: soft-capped scores and logits on each rank's heads and vocabulary slice
+    "tp2_gemma2_softcaps": (2, {"model_type": "gemma2", "sliding_window": 4, "query_pre_attn_scalar": 24,
+                                "attn_implementation": "eager"}),
 }
 
 
