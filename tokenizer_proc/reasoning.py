@@ -91,7 +91,9 @@ def attach_thinking_budget(inp: OpenAIInput, server_parser: str, tokenizer: Toke
     open_tag = tokenizer.encode(OPEN_TAG, add_special_tokens=False)
     for spec in inp.specs:
         if spec.req.sampling_params.grammar is not None:
-            raise BadRequestError("thinking_budget cannot be combined with response_format or a grammar")
+            # tool calls are constrained by a grammar too (tokenizer_proc/tools.py)
+            raise BadRequestError("thinking_budget cannot be combined with response_format, a grammar, "
+                                  "or tools that constrain the answer")
         start_id = -1
         if not parser.starts_in_reasoning and not ReasoningSplitter.for_prompt(
                 parser, spec.req.input_ids, tokenizer).in_reasoning_from_start:
