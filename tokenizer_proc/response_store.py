@@ -15,7 +15,7 @@ MAX_CHARS = 32 * 2**20  # all stored conversations' text together
 @dataclass(frozen=True)
 class StoredResponse:
     response: dict[str, Any]  # the response object, as answered
-    conversation: list[dict[str, str]]  # its messages (without instructions), answer included
+    conversation: list[dict[str, Any]]  # its messages (without instructions), answer included
 
     @property
     def chars(self) -> int:
