@@ -115,6 +115,14 @@ def test_count_tokens_counts_the_templated_prompt(server: Server, client: anthro
     ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "role must be"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "only text blocks"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_9", "content": "1"}]}]},
+     "tool_use_id 'toolu_9' matches no earlier tool_use block"),
+    ({"max_tokens": 5, "messages": HI, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+      "tool_choice": {"type": "tool", "name": "g"}}, "tool_choice names the function 'g', which is not among"),
+    ({"max_tokens": 5, "messages": HI, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+     "only client tools"),
+    ({"max_tokens": 5, "messages": HI, "tool_choice": {"type": "sometimes"}}, "tool_choice.type must be"),
 ])
 def test_bad_requests_get_anthropics_error_shape(server: Server, body: dict, message: str) -> None:
     status, _, raw = post(server, {"model": "test", **body}, "/v1/messages")
@@ -147,3 +155,74 @@ def test_the_api_key_may_come_as_x_api_key(server: Server, tmp_path: Path) -> No
         assert e.value.body["error"]["type"] == "authentication_error"  # Anthropic's shape, from the gate
     finally:
         keyed.stop()
+
+
+# ---- tools ------------------------------------------------------------------------------------------
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+CALLED = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_server(hf_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tok = load_tokenizer(str(hf_folder))
+    with pytest.MonkeyPatch.context() as mp:  # the tiny vocabulary spells the tools long
+        mp.setattr("tests.tokenizer_proc.server_harness.CONTEXT_LEN", 4096)
+        srv = Server(tok, tmp_path_factory.mktemp("ipc"))
+    srv.fake.script = tok.encode(CALLED)  # the "model" says a word, then calls
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tool_client(tool_server: Server) -> Iterator[anthropic.Anthropic]:
+    c = anthropic.Anthropic(base_url=tool_server.url, api_key="unused", max_retries=0, timeout=10)
+    yield c
+    c.close()
+
+
+def test_a_call_is_a_tool_use_block_with_its_input(tool_server: Server, tool_client: anthropic.Anthropic) -> None:
+    m = tool_client.messages.create(model="test", max_tokens=300, messages=ASK, tools=[WEATHER])
+    assert [b.type for b in m.content] == ["text", "tool_use"] and m.content[0].text == "Let me check."
+    use = m.content[1]
+    assert use.id.startswith("toolu_") and use.name == "get_weather" and use.input == {"city": "Paris"}
+    assert m.stop_reason == "tool_use" and m.stop_sequence is None
+    assert "<tools>" in prompt_of_last_request(tool_server)
+    assert tool_server.fake.requests()[-1].sampling_params.grammar is not None  # the calls are constrained
+
+
+def test_a_streamed_call_has_anthropics_events_and_adds_up(tool_server: Server,
+                                                           tool_client: anthropic.Anthropic) -> None:
+    with tool_client.messages.stream(model="test", max_tokens=300, messages=ASK, tools=[WEATHER],
+                                     tool_choice={"type": "any"}) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    starts = [e.content_block for e in events if e.type == "content_block_start"]
+    assert [b.type for b in starts] == ["text", "tool_use"] and starts[1].input == {}
+    partial = "".join(e.delta.partial_json for e in events
+                      if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+    assert json.loads(partial) == {"city": "Paris"}
+    assert [e.type for e in events].count("content_block_stop") == 2
+    assert final.stop_reason == "tool_use" and final.content[1].input == {"city": "Paris"}
+    assert final.content[1].id == starts[1].id and final.content[0].text == "Let me check."
+
+
+def test_a_named_tool_choice_and_a_tool_result_round_trip(tool_server: Server,
+                                                          tool_client: anthropic.Anthropic) -> None:
+    first = tool_client.messages.create(model="test", max_tokens=300, messages=ASK, tools=[WEATHER],
+                                        tool_choice={"type": "tool", "name": "get_weather",
+                                                     "disable_parallel_tool_use": True})
+    use = next(b for b in first.content if b.type == "tool_use")
+    tool_client.messages.create(model="test", max_tokens=300, tools=[WEATHER], messages=ASK + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                      "content": [{"type": "text", "text": '{"sky": "sunny"}'}]},
+                                     {"type": "text", "text": "And tomorrow?"}]}])
+    assert prompt_of_last_request(tool_server).endswith(
+        '<|im_start|>assistant\nLet me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{"sky": "sunny"}\n'
+        '</tool_response><|im_end|>\n<|im_start|>user\nAnd tomorrow?<|im_end|>\n<|im_start|>assistant\n')
+    n = tool_client.messages.count_tokens(model="test", messages=ASK, tools=[WEATHER])
+    assert n.input_tokens > tool_client.messages.count_tokens(model="test", messages=ASK).input_tokens
