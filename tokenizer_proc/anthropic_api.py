@@ -11,8 +11,10 @@ comes back as a `thinking` block before the `text` block, and `thinking`'s
 `budget_tokens` is the thinking budget (without a parser `thinking` is
 ignored). Errors on these
 routes take Anthropic's shape ({"type": "error", "error": {"type", "message"}},
-tokenizer_proc/errors.py). Not implemented: tools (tool_use and tool_result
-blocks are a 400), images and documents, thinking signatures (empty).
+tokenizer_proc/errors.py). Client tools (`tools`, `tool_choice`, tool_use
+and tool_result blocks, tool_use output blocks streamed as input_json_delta)
+go through the chat path's tool calling. Not implemented: server tools,
+images and documents, thinking signatures (empty).
 """
 
 from __future__ import annotations

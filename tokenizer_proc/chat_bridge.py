@@ -97,12 +97,6 @@ class ChatRun:
                     split += splitter.flush()
             yield split, out.done
 
-    async def deltas(self) -> AsyncIterator[Split]:
-        """The output's new text, split, as it comes; ends when it is finished."""
-        async for split, _ in self._splits():
-            if split.reasoning or split.content:
-                yield split
-
     async def pieces(self) -> AsyncIterator[Piece]:
         """The output as it comes, its content as events (held back while a
         call's start is undecided); the events add up to `answer()`'s."""

@@ -10,8 +10,11 @@ OpenAI does), `max_output_tokens`, `temperature`, `top_p`, `text.format`
 with the named events, `store` (default false: stateless) and
 `previous_response_id` (the stored conversation comes first; a bounded LRU
 in this process, tokenizer_proc/response_store.py). With --reasoning-parser
-the thinking is a `reasoning` output item before the message. Not
-implemented: tools (function calls), background, images and files,
+the thinking is a `reasoning` output item before the message. Function
+tools (`tools` in the flat shape, `tool_choice`, `parallel_tool_calls`,
+`function_call` / `function_call_output` input items, `function_call`
+output items and their stream events) go through the chat path's tool
+calling. Not implemented: other tool types, background, images and files,
 truncation other than "disabled", conversations.
 
 The body is translated into a chat completions body and run through that
@@ -311,11 +314,9 @@ class _Items:
 
     def _shown(self, item: dict[str, Any]) -> dict[str, Any]:
         """The item as output_item.added shows it: in progress, nothing in it yet."""
-        if item["type"] == "message":
-            return {**item, "content": []}
-        if item["type"] == "reasoning":
-            return {**item, "content": []}
-        return {**item, "arguments": ""}
+        if item["type"] == "function_call":
+            return {**item, "arguments": ""}
+        return {**item, "content": []}
 
     def _close(self, status: str = "completed") -> list[NamedEvent]:
         if self.open is None:

@@ -225,3 +225,24 @@ def test_an_openai_agents_loop_calls_the_tool_and_answers(server: ServerProcess)
     assert len(cities) >= 1 and all(isinstance(c, str) and c for c in cities)
     assert isinstance(result.final_output, str) and result.final_output
     assert not any(m in result.final_output for m in MARKUP)
+
+
+def test_the_responses_and_messages_apis_force_a_call_that_fits_the_schema(server: ServerProcess,
+                                                                          client: openai.OpenAI) -> None:
+    """The same forced call through OpenAI's Responses API and Anthropic's
+    Messages API (both bridged onto the chat path's tool calling)."""
+    anthropic = pytest.importorskip("anthropic")
+    fn = WEATHER["function"]
+    r = client.responses.create(model="m", input=ASK[0]["content"], max_output_tokens=60, temperature=0,
+                                tools=[{"type": "function", **fn}],
+                                tool_choice={"type": "function", "name": "get_weather"})
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert r.status == "completed" and len(calls) >= 1 and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS["get_weather"])
+    with anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120) as ac:
+        m = ac.messages.create(model="m", max_tokens=60, temperature=0, messages=ASK, tool_choice={"type": "any"},
+                               tools=[{"name": fn["name"], "description": fn["description"],
+                                       "input_schema": fn["parameters"]}])
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and uses and uses[0].name == "get_weather"
+    jsonschema.validate(uses[0].input, SCHEMAS["get_weather"])
