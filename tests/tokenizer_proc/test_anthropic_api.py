@@ -226,3 +226,17 @@ def test_a_named_tool_choice_and_a_tool_result_round_trip(tool_server: Server,
         '</tool_response><|im_end|>\n<|im_start|>user\nAnd tomorrow?<|im_end|>\n<|im_start|>assistant\n')
     n = tool_client.messages.count_tokens(model="test", messages=ASK, tools=[WEATHER])
     assert n.input_tokens > tool_client.messages.count_tokens(model="test", messages=ASK).input_tokens
+
+
+def test_an_error_tool_result_says_so_and_a_cut_call_is_left_out(tool_server: Server,
+                                                                   tool_client: anthropic.Anthropic) -> None:
+    tool_client.messages.create(model="test", max_tokens=300, tools=[WEATHER], messages=ASK + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "no network",
+                                      "is_error": True}]}])
+    assert prompt_of_last_request(tool_server).endswith(
+        "<tool_response>\nError: no network\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    cut_at = len(tool_server.tokenizer.encode(CALLED[:CALLED.index("Paris")]))
+    m = tool_client.messages.create(model="test", max_tokens=cut_at, messages=ASK, tools=[WEATHER])
+    assert m.stop_reason == "max_tokens" and [b.type for b in m.content] == ["text"]

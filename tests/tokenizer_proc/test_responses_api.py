@@ -207,3 +207,20 @@ def test_a_named_tool_choice_and_the_round_trip(tool_server: Server, tool_client
                                          "output": '{"sky": "sunny"}'}])
     assert prompt_of_last_request(tool_server).endswith(expect.replace("assistant\n<tool_call>",
                                                                          "assistant\nLet me check.\n<tool_call>"))
+
+
+def test_a_call_cut_by_max_output_tokens_is_incomplete_and_not_stored_as_a_call(
+        tool_server: Server, tool_client: openai.OpenAI) -> None:
+    cut_at = len(tool_server.tokenizer.encode(CALLED[:CALLED.index("Paris")]))
+    r = tool_client.responses.create(model="test", input="Weather in Paris?", tools=[WEATHER], store=True,
+                                     max_output_tokens=cut_at)
+    assert r.status == "incomplete" and [item.type for item in r.output] == ["message", "function_call"]
+    assert r.output[1].status == "incomplete"
+    events = list(tool_client.responses.create(model="test", input="Weather in Paris?", tools=[WEATHER],
+                                               stream=True, max_output_tokens=cut_at))
+    final = events[-1]
+    assert final.type == "response.incomplete" and final.response.output[1].status == "incomplete"
+    assert not any(e.type == "response.function_call_arguments.done" for e in events)
+    with pytest.raises(openai.BadRequestError, match="matches no function_call"):
+        tool_client.responses.create(model="test", tools=[WEATHER], previous_response_id=r.id, input=[
+            {"type": "function_call_output", "call_id": r.output[1].call_id, "output": "1"}])
