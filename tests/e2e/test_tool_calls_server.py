@@ -233,16 +233,17 @@ def test_the_responses_and_messages_apis_force_a_call_that_fits_the_schema(serve
     Messages API (both bridged onto the chat path's tool calling)."""
     anthropic = pytest.importorskip("anthropic")
     fn = WEATHER["function"]
-    r = client.responses.create(model="m", input=ASK[0]["content"], max_output_tokens=60, temperature=0,
-                                tools=[{"type": "function", **fn}],
+    r = client.responses.create(model="m", input=ASK[0]["content"], max_output_tokens=50, temperature=0,
+                                tools=[{"type": "function", **fn}], parallel_tool_calls=False,
                                 tool_choice={"type": "function", "name": "get_weather"})
     calls = [item for item in r.output if item.type == "function_call"]
-    assert r.status == "completed" and len(calls) >= 1 and calls[0].name == "get_weather"
+    assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather", r.output
     jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS["get_weather"])
     with anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120) as ac:
-        m = ac.messages.create(model="m", max_tokens=60, temperature=0, messages=ASK, tool_choice={"type": "any"},
+        m = ac.messages.create(model="m", max_tokens=50, messages=ASK, extra_body={"temperature": 0},
+                               tool_choice={"type": "any", "disable_parallel_tool_use": True},
                                tools=[{"name": fn["name"], "description": fn["description"],
                                        "input_schema": fn["parameters"]}])
     uses = [b for b in m.content if b.type == "tool_use"]
-    assert m.stop_reason == "tool_use" and uses and uses[0].name == "get_weather"
+    assert m.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather", m.content
     jsonschema.validate(uses[0].input, SCHEMAS["get_weather"])
