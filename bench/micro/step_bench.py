@@ -48,19 +48,20 @@ one more):
   9 heads allow 1, 3 or 9), and its rows are stored as their own cases (the
   JSON's `tp_size`), beside the tp 1 rows; forward and transformers rows are
   one process whatever the flag.
-- transformers: `LlamaForCausalLM.forward` of one token per row with a
-  `DynamicCache` of C - 1 random positions (cropped back after each step).
+- transformers: the model's transformers class (`AutoModelForCausalLM`), the
+  forward of one token per row with a `DynamicCache` of C - 1 random positions
+  (cropped back after each step).
   Skipped when its KV would not fit in `--hf-max-kv-gib`, and for a sliding
   model at contexts its window does not hold (transformers' sliding cache
   cannot be cropped back once full).
 
 floor = max(bytes / read bandwidth, FLOPs / matmul rate), with bytes = every
 matmul weight once (the LM head included, a tied one once) + the K/V the step
-reads, FLOPs = 2 x B x matmul weights + 4 x B x keys x q_heads x head_dim (QK^T
-and PV), where keys = B x C tokens in each full layer and B x min(C, window) in
-each sliding one (bench/lib/model_cost.py; norms, biases and activations are
-left out, vectors beside the matmuls), and both rates measured by this script before the cases: read bandwidth as
-the best `sum` over a 512 MiB tensor, matmul rate as the best 2048^3 matmul
+reads, FLOPs = 2 x B x matmul weights + 4 x keys x q_heads x head_dim (QK^T and
+PV), where keys = B x C tokens in each full layer and B x min(C, window) in each
+sliding one (bench/lib/model_cost.py; norms, biases and activations are left
+out, vectors beside the matmuls), and both rates measured by this script
+before the cases: read bandwidth as the best `sum` over a 512 MiB tensor, matmul rate as the best 2048^3 matmul
 (torch.mm or a oneDNN pre-packed linear, whichever is faster) in the dtype.
 
 Prints the table, records the run (bench/results/latest/step_bench.json, from
