@@ -46,6 +46,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -231,7 +232,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                f"{load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end")
     floors = {"matmul_gflops": rate / 1e9, "bandwidth_gbs": bandwidth / 1e9,
               "weight_mb": weight_bytes(cfg, 2) / 1e6, **gguf_floor(resolve_model_name(model_path), bandwidth)}
-    command = " ".join(["python -m bench.serving.peers", *(sys.argv[1:] if argv is None else argv)])
+    # quoted where needed: a --peer-note holds spaces, and the recorded command must run as it reads
+    command = "python -m bench.serving.peers " + shlex.join(sys.argv[1:] if argv is None else argv)
     text = markdown(command, machine, floors, rows, notes, args.input_len, args.output_len)
     print(text)
     os.makedirs(args.out_dir, exist_ok=True)

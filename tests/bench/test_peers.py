@@ -29,6 +29,7 @@ def test_this_server_and_a_peer_are_served_the_same_trace(tmp_path, default_mode
         assert (r["floor_itl_ms"] is not None) == (r["concurrency"] == 1)
     md = (tmp_path / "peers.md").read_text()
     assert "| other | 1 | 2 |" in md and "- other: a second batchserve" in md
+    assert "--peer-note 'other=a second batchserve'" in out["command"]  # runs as it reads
     assert json.loads((tmp_path / "peers.json").read_text())["rows"] == out["rows"]
     assert os.path.exists(tmp_path / "peers-server.log")
     record = recorded.check("bench.serving.peers")  # --record
