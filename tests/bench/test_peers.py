@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 
+import dataclasses
+
 from bench.serving import peers
 from bench.lib.server_launcher import LaunchedServer
+from common import server_args
 from model_proc.model import ModelConfig
 from tests.helpers import TINY_CONFIG
 
@@ -26,6 +29,7 @@ def test_this_server_and_a_peer_are_served_the_same_trace(tmp_path, default_mode
         assert (r["floor_itl_ms"] is not None) == (r["concurrency"] == 1)
     md = (tmp_path / "peers.md").read_text()
     assert "| other | 1 | 2 |" in md and "- other: a second batchserve" in md
+    assert "--peer-note 'other=a second batchserve'" in out["command"]  # runs as it reads
     assert json.loads((tmp_path / "peers.json").read_text())["rows"] == out["rows"]
     assert os.path.exists(tmp_path / "peers-server.log")
     record = recorded.check("bench.serving.peers")  # --record
@@ -42,3 +46,21 @@ def test_trace_flops_count_layers_head_and_attention() -> None:
     expected = 2 * body * 4 + 2 * head * 2 + 4 * d * h * L * (1 + 2 + 3 + 4)
     assert peers.trace_flops(cfg, [3], [2]) == expected
     assert peers.weight_bytes(cfg, 2) == 2 * (body + head)
+
+
+def test_trace_flops_count_only_the_window_on_sliding_layers() -> None:
+    full = ModelConfig.from_dict({**TINY_CONFIG, "model_type": "llama"})
+    sliding = dataclasses.replace(full, layer_windows=(2, None))
+    assert [peers.pairs_attended(4, w) for w in (None, 4, 2)] == [1 + 2 + 3 + 4, 1 + 2 + 3 + 4, 1 + 2 + 2 + 2]
+    per_pair = 4 * full.head_dim * full.num_heads  # one layer
+    assert peers.trace_flops(full, [3], [2]) - peers.trace_flops(sliding, [3], [2]) == per_pair * (10 - 7)
+
+
+def test_a_short_model_name_is_read_as_the_server_reads_it(default_model_dir, monkeypatch, tmp_path) -> None:
+    monkeypatch.setitem(server_args.MODEL_SHORT_NAMES, "tiny-name", lambda: default_model_dir)
+    monkeypatch.chdir(tmp_path)  # no file of that name here
+    assert peers.model_folder("tiny-name") == default_model_dir
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"\0" * 1000)
+    assert peers.gguf_floor(str(gguf), bandwidth=1e6) == {"gguf_mb": 1e-3, "gguf_floor_itl_ms": 1.0}
+    assert peers.gguf_floor(default_model_dir, bandwidth=1e6) == {}
