@@ -28,13 +28,13 @@ CONTEXT_LEN = 256
 
 class Server:
     def __init__(self, tokenizer: Tokenizer, ipc_dir: Path, health_generate_timeout: float = 20.0,
-                 **server_args: Any) -> None:
+                 context_len: int = CONTEXT_LEN, **server_args: Any) -> None:
         self.tokenizer = tokenizer
         self.ipc = IpcPaths.in_dir(str(ipc_dir))
         self.eos = tokenizer.eos_token_ids[0]
         self.script = tokenizer.encode(TEXT)[1:]  # what the "model" generates (no BOS)
         self.info = ModelInfo(
-            model_path="", tokenizer_path="", served_model_name="test", context_len=CONTEXT_LEN,
+            model_path="", tokenizer_path="", served_model_name="test", context_len=context_len,
             max_total_tokens=4096, vocab_size=tokenizer.vocab_size, eos_token_ids=[self.eos],
             dtype="float32", device="cpu", kv_cache_bytes=0)
         self.args = ServerArgs(model_path="unused", **server_args)

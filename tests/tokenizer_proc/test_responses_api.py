@@ -141,9 +141,8 @@ TOOL_EVENTS = ["response.created", "response.in_progress",
 @pytest.fixture(scope="module")
 def tool_server(hf_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tok = load_tokenizer(str(hf_folder))
-    with pytest.MonkeyPatch.context() as mp:  # the tiny vocabulary spells the tools long
-        mp.setattr("tests.tokenizer_proc.server_harness.CONTEXT_LEN", 4096)
-        srv = Server(tok, tmp_path_factory.mktemp("ipc"))
+    # the tiny vocabulary spells the tools long
+    srv = Server(tok, tmp_path_factory.mktemp("ipc"), context_len=4096)
     srv.fake.script = tok.encode(CALLED)  # the "model" says a word, then calls
     yield srv
     srv.stop()

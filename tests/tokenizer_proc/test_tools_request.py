@@ -156,9 +156,8 @@ RECORDED = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"
 @pytest.fixture(scope="module")
 def app(hf_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tok = load_tokenizer(str(hf_folder))
-    with pytest.MonkeyPatch.context() as mp:  # the tiny vocabulary spells the tools long
-        mp.setattr("tests.tokenizer_proc.server_harness.CONTEXT_LEN", 4096)
-        srv = Server(tok, tmp_path_factory.mktemp("ipc"))
+    # the tiny vocabulary spells the tools long
+    srv = Server(tok, tmp_path_factory.mktemp("ipc"), context_len=4096)
     srv.fake.script = tok.encode(RECORDED)  # the "model" answers with the recorded calls
     yield srv
     srv.stop()
