@@ -82,6 +82,9 @@ def is_inline_chat_template(value: str) -> bool:
     return "{%" in value or "{{" in value
 
 
+# --quantization's choices ("": a .gguf file's own blocks, as "gguf"; see ServerArgs.quantization)
+QUANTIZATIONS = ("", "gguf", "none")
+
 # --reasoning-parser's choices (tokenizer_proc/reasoning.py's ReasoningParser)
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
 
@@ -106,6 +109,10 @@ class ServerArgs:
     served_model_name: str = ""
     context_length: int | None = None
     dtype: str = "auto"
+    # how the weights are stored and multiplied (model_proc/quant/): "" serves a .gguf file's
+    # matmul weights in its own block types (as llama.cpp and vLLM's `gguf` do); "none"
+    # dequantizes them at load to --dtype (the path before quantized kernels, for side-by-side runs)
+    quantization: str = ""
     device: str = "cpu"
     # default: triton on a CUDA device; on a CPU the native C++ op (torch if it cannot be
     # built, and torch with --deterministic, whose batch-invariant kernels are torch's)
@@ -223,6 +230,11 @@ class ServerArgs:
             raise ValueError("--stream-interval must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(q for q in QUANTIZATIONS if q)}, "
+                             f"not {self.quantization!r}")
+        if self.quantization == "gguf" and not self.model_path.endswith(".gguf"):
+            raise ValueError(f"--quantization gguf needs a .gguf model, not {self.model_path!r}")
         if not self.attention_backend:
             if self.device.startswith("cuda"):
                 self.attention_backend = "triton"
@@ -348,6 +360,10 @@ class ServerArgs:
                             choices=["auto", "float32", "bfloat16", "float16"],
                             help="auto: bfloat16 where the processor has native bfloat16 matmuls "
                                  "(AVX512_BF16/AMX, CUDA), else float32")
+        parser.add_argument("--quantization", default=d["quantization"].default, choices=QUANTIZATIONS,
+                            help="default: a .gguf model's matmul weights are served in the file's own "
+                                 "block types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; gguf), with --dtype the "
+                                 "activations' dtype; none: dequantized to --dtype at load")
         parser.add_argument("--device", default=d["device"].default)
         parser.add_argument("--attention-backend", default="", choices=["torch", "native", "triton"],
                             help="default: triton on a CUDA device; on a CPU native, the C++/OpenMP op over "

@@ -32,6 +32,7 @@ from torch import nn
 
 from model_proc import native
 from model_proc.parallel import SINGLE, TensorParallel, vocab_range
+from model_proc.quant.weight import QuantWeight
 from model_proc.row_blocks import in_row_blocks
 
 # Batch-size hint oneDNN packs for. The packed layout serves any number of
@@ -45,6 +46,7 @@ class MatmulKernel(Enum):
     TORCH = "torch"      # F.linear on the plain weight (a GPU; no oneDNN)
     ONEDNN = "onednn"    # oneDNN's pre-packed weight
     NATIVE = "native"    # model_proc/native/layers.cpp's packed blocks
+    QUANT = "quant"      # a GGUF file's own quantized blocks (model_proc/quant/)
 
 
 def onednn_supports(device: torch.device, dtype: torch.dtype) -> bool:
@@ -123,6 +125,7 @@ class Linear(HooklessModule):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.gated = gated
+        self.rows = out_features  # of the weight: both halves when gated
         self.out_features = out_features // 2 if gated else out_features
         # the native kernel's output in float32, not rounded to the weight's
         # dtype (the LM head: logits are float32 from there on anyway)
@@ -131,10 +134,19 @@ class Linear(HooklessModule):
         self.packed: torch.Tensor | None = None  # oneDNN's, or the native op's blocks
         self.packed_bias: torch.Tensor | None = None  # the native op's: float32, in block order
         self.op = None
+        self.quantized: QuantWeight | None = None  # set_quantized's
+
+    def set_quantized(self, w: QuantWeight) -> None:
+        """Run on quantized blocks instead of a float weight (the float one is dropped)."""
+        self.quantized, self.kernel = w, MatmulKernel.QUANT
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device),
+                                   requires_grad=False)
 
     @torch.no_grad()
     def prepare(self) -> None:
         """Pack the weight for the fastest kernel here; the plain copy is then dropped."""
+        if self.kernel is MatmulKernel.QUANT:
+            return  # the blocks are the kernel's layout already
         w = self.weight.detach().contiguous()
         op = native_layers_op(w.device, w.dtype) if w.shape[1] % 2 == 0 else None
         if op is not None:
@@ -189,6 +201,8 @@ class Linear(HooklessModule):
                 # float32 fuses the add; the bfloat16 path adds unfused (as it did
                 # before the native op became the bfloat16 kernel)
                 return torch.ops.mkldnn._linear_pointwise.binary(x, add, self.packed, self.bias, "add")
+        elif self.kernel is MatmulKernel.QUANT:
+            y = self._quantized_product(x)
         else:
             y = F.linear(x, self.weight, self.bias)
         if self.gated:
@@ -198,6 +212,16 @@ class Linear(HooklessModule):
         if add is not None:
             y += add
         return y
+
+
+    def _quantized_product(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.quantized is not None
+        y = self.quantized.matmul(x)  # float32
+        if y.shape[1] < self.rows:  # the last rank's slice of a padded vocabulary
+            y = F.pad(y, (0, self.rows - y.shape[1]))
+        if self.bias is not None:
+            y += self.bias
+        return y if self.float_out else y.to(x.dtype)
 
 
 def move_packed_onto_huge_pages(linears: list[Linear]) -> int:
@@ -257,12 +281,24 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp
         self.start, self.end, rows = vocab_range(vocab_size, tp.rank, tp.size)
         self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+        self.quantized: QuantWeight | None = None  # set_quantized's
+
+    def set_quantized(self, w: QuantWeight) -> None:
+        """Look rows up in quantized blocks (dequantizing only those rows)."""
+        self.quantized = w
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device),
+                                   requires_grad=False)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is None:
+            return F.embedding(ids, self.weight)
+        return self.quantized.dequantize_rows(ids).to(self.weight.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         outside = (ids < self.start) | (ids >= self.end)
-        x = F.embedding((ids - self.start).masked_fill_(outside, 0), self.weight)
+        x = self._lookup((ids - self.start).masked_fill_(outside, 0))
         x.masked_fill_(outside[:, None], 0)
         return self.tp.all_reduce_(x)
 

@@ -49,8 +49,22 @@ from model_proc.layers import (HooklessModule, Linear, ParallelLMHead, RowParall
                                apply_rope_, fold_norm_weight, head_rms_norm_, move_packed_onto_huge_pages)
 from model_proc.model_config import SUPPORTED_MODEL_TYPES, Activation, ModelConfig  # noqa: F401 (re-exported)
 from model_proc.parallel import SINGLE, TensorParallel, shard_heads, shard_range
+from model_proc.quant.gguf_weights import GGUFWeights
+from model_proc.quant.weight import QuantWeight
 from model_proc.row_blocks import pad_rows, padded_rows
 from model_proc.weights import CheckpointReader
+
+# a matmul weight as loaded: a float tensor, or quantized blocks
+Weight = torch.Tensor | QuantWeight
+
+
+def cat_rows(parts: list[Weight]) -> Weight:
+    """Parts of a fused weight stacked by rows: blocks stay blocks; a float
+    part among quantized ones (a type without a kernel here) makes the whole
+    weight float."""
+    if all(isinstance(p, QuantWeight) for p in parts):
+        return QuantWeight.cat(parts)  # type: ignore[arg-type]
+    return torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts])
 
 # ---- rotary embedding ----------------------------------------------------------------
 
@@ -297,11 +311,13 @@ class LlamaForCausalLM(nn.Module):
         return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
     @torch.no_grad()
-    def load_weights(self, ckpt: CheckpointReader) -> None:
+    def load_weights(self, ckpt: CheckpointReader, quantized: GGUFWeights | None = None) -> None:
         """Read this rank's shard of every weight from a Hugging Face checkpoint,
         tensor by tensor (fusing q/k/v and gate/up, folding each RMSNorm weight
         into the next matmul), then prepare the matmuls for the device. Call
-        after the model is on its device and dtype."""
+        after the model is on its device and dtype. `quantized`: the matmul
+        weights (and embedding) it holds are taken from there as blocks, the
+        norm weight before each kept as its input scale."""
         def put(param: nn.Parameter | None, tensor: torch.Tensor, name: str, pad: bool = False) -> None:
             """name: the checkpoint tensor (the first, for a fused one) a wrong
             shape is reported as; pad: the last rank's vocabulary slice may be
@@ -335,46 +351,65 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r} has the wrong shape for the config: {got}, need {shape}")
             return name
 
-        def rows(name: str, start: int, end: int) -> torch.Tensor:
-            return ckpt.read(name, 0, start, end)
+        def put_linear(lin: Linear | VocabParallelEmbedding, w: Weight, name: str, pad: bool = False) -> None:
+            if not isinstance(w, QuantWeight):
+                put(lin.weight, w, name, pad)
+                return
+            n, k = w.shape
+            if k != lin.weight.shape[1] or not (n == lin.weight.shape[0] or (pad and n < lin.weight.shape[0])):
+                raise ValueError(f"weight {name!r} has the wrong shape for the config: read {(n, k)}, "
+                                 f"need {tuple(lin.weight.shape)} (this rank's share)")
+            lin.set_quantized(w)
 
-        def parts(names: list[str], fused: str, sizes: list[int], spans: list[tuple[int, int]]) -> torch.Tensor:
+        def weight(name: str, dim: int, start: int, end: int) -> Weight:
+            """[start, end) of a matmul weight along `dim`: blocks where `quantized` has them."""
+            q = quantized.get(name) if quantized is not None else None
+            if q is None:
+                return ckpt.read(name, dim, start, end)
+            return q.rows(start, end) if dim == 0 else q.columns(start, end)
+
+        def rows(name: str, start: int, end: int) -> Weight:
+            return weight(name, 0, start, end)
+
+        def fold(w: Weight, norm_weight: torch.Tensor) -> Weight:
+            return w.scaled_input(norm_weight) if isinstance(w, QuantWeight) else fold_norm_weight(w, norm_weight)
+
+        def parts(names: list[str], fused: str, sizes: list[int], spans: list[tuple[int, int]]) -> Weight:
             """This rank's rows of each part, stacked: from the parts' own
             tensors, or (Phi-3) from the one tensor holding them end to end."""
             cols = (cfg.hidden_size,) if names[0].endswith("weight") else ()
             if not cfg.fused_checkpoint:
-                return torch.cat([rows(check(name, size, *cols), a, b)
-                                  for name, size, (a, b) in zip(names, sizes, spans)])
+                return cat_rows([rows(check(name, size, *cols), a, b)
+                                 for name, size, (a, b) in zip(names, sizes, spans)])
             check(fused, sum(sizes), *cols)
             offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-            return torch.cat([rows(fused, off + a, off + b) for off, (a, b) in zip(offsets, spans)])
+            return cat_rows([rows(fused, off + a, off + b) for off, (a, b) in zip(offsets, spans)])
 
-        def qkv(layer: Attention, p: str, kind: str) -> torch.Tensor:
+        def qkv(layer: Attention, p: str, kind: str) -> Weight:
             h = layer.heads
             q = (h.q_start * hd, (h.q_start + h.num_heads) * hd)
             kv = (h.kv_start * hd, (h.kv_start + h.num_kv_heads) * hd)
             return parts([f"{p}q_proj.{kind}", f"{p}k_proj.{kind}", f"{p}v_proj.{kind}"], f"{p}qkv_proj.{kind}",
                          [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd], [q, kv, kv])
 
-        def gate_up(mlp: MLP, p: str, kind: str) -> torch.Tensor:
+        def gate_up(mlp: MLP, p: str, kind: str) -> Weight:
             span = (mlp.inter_start, mlp.inter_start + mlp.inter)
             return parts([f"{p}gate_proj.{kind}", f"{p}up_proj.{kind}"], f"{p}gate_up_proj.{kind}",
                          [cfg.intermediate_size] * 2, [span, span])
 
         emb = self.embed_tokens
         check("model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size)
-        put(emb.weight, rows("model.embed_tokens.weight", emb.start, emb.end), "model.embed_tokens.weight", pad=True)
+        put_linear(emb, rows("model.embed_tokens.weight", emb.start, emb.end), "model.embed_tokens.weight", pad=True)
         head = self.lm_head
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         check(head_name, cfg.vocab_size, cfg.hidden_size)
-        put(head.weight, fold_norm_weight(rows(head_name, head.start, head.end), norm("model.norm.weight")),
-            head_name, pad=True)
+        put_linear(head, fold(rows(head_name, head.start, head.end), norm("model.norm.weight")), head_name, pad=True)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             a = f"{p}self_attn."
-            put(attn.qkv_proj.weight, fold_norm_weight(qkv(attn, a, "weight"), norm(f"{p}input_layernorm.weight")),
-                f"{a}q_proj.weight")
+            put_linear(attn.qkv_proj, fold(qkv(attn, a, "weight"), norm(f"{p}input_layernorm.weight")),
+                       f"{a}q_proj.weight")
             if attn.qkv_proj.bias is not None:
                 put(attn.qkv_proj.bias, qkv(attn, a, "bias"), f"{a}q_proj.bias")
             if attn.qk_norm is not None:
@@ -383,15 +418,15 @@ class LlamaForCausalLM(nn.Module):
                     f"{a}q_norm.weight")
             q0, q1 = attn.heads.q_start * hd, (attn.heads.q_start + attn.heads.num_heads) * hd
             check(f"{a}o_proj.weight", cfg.hidden_size, cfg.num_heads * hd)
-            put(attn.o_proj.weight, ckpt.read(f"{a}o_proj.weight", 1, q0, q1), f"{a}o_proj.weight")
+            put_linear(attn.o_proj, weight(f"{a}o_proj.weight", 1, q0, q1), f"{a}o_proj.weight")
             if attn.o_proj.bias is not None:  # rank 0 only: added once, before the all-reduce
                 put(attn.o_proj.bias, ckpt.read(f"{a}o_proj.bias"), f"{a}o_proj.bias")
             m = f"{p}mlp."
             # Gemma's MLP input norm is pre_feedforward_layernorm; its
             # post_attention_layernorm normalizes the attention output
             mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
-            put(mlp.gate_up_proj.weight, fold_norm_weight(gate_up(mlp, m, "weight"), norm(f"{p}{mlp_norm}.weight")),
-                f"{m}gate_proj.weight")
+            put_linear(mlp.gate_up_proj, fold(gate_up(mlp, m, "weight"), norm(f"{p}{mlp_norm}.weight")),
+                       f"{m}gate_proj.weight")
             if cfg.sandwich_norms:  # w in the model's dtype, then 1 + w in float32, as transformers
                 dtype, device = emb.weight.dtype, emb.weight.device
                 layer.post_norms = torch.stack([
@@ -400,8 +435,8 @@ class LlamaForCausalLM(nn.Module):
             if mlp.gate_up_proj.bias is not None:
                 put(mlp.gate_up_proj.bias, gate_up(mlp, m, "bias"), f"{m}gate_proj.bias")
             check(f"{m}down_proj.weight", cfg.hidden_size, cfg.intermediate_size)
-            put(mlp.down_proj.weight, ckpt.read(f"{m}down_proj.weight", 1, mlp.inter_start,
-                                                mlp.inter_start + mlp.inter), f"{m}down_proj.weight")
+            put_linear(mlp.down_proj, weight(f"{m}down_proj.weight", 1, mlp.inter_start, mlp.inter_start + mlp.inter),
+                       f"{m}down_proj.weight")
             if mlp.down_proj.bias is not None:
                 put(mlp.down_proj.bias, ckpt.read(f"{m}down_proj.bias"), f"{m}down_proj.bias")
         linears = [m for m in self.modules() if isinstance(m, Linear)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 
@@ -30,6 +31,7 @@ from model_proc.penalties import PenaltyState
 from model_proc.sampler import Sampler, apply_token_bitmask, logprobs_of_ids
 from model_proc.step_inputs import StepInputBuilder, StepInputs
 from model_proc.step_stats import DecodeStepStats
+from model_proc.quant.gguf_weights import GGUFWeights
 from model_proc.weights import CheckpointReader, resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,9 @@ class ModelRunner:
         # this rank's KV heads (a clear error here if --tp-size does not fit the model)
         kv_heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size).num_kv_heads
         ckpt = CheckpointReader(self.model_path)
+        # a GGUF file's matmul weights as its own blocks (model_proc/quant/)
+        self.quantized = GGUFWeights(sa.model_path, ckpt.names(), cfg.num_heads, cfg.num_kv_heads) \
+            if sa.model_path.endswith(".gguf") and sa.quantization != "none" else None
         # sliding layers in a window pool of their own (scheduler_proc/window_pool.py)
         windowed = [w is not None for w in cfg.layer_windows] \
             if cfg.sliding and not sa.disable_hybrid_swa_memory and sa.batching == "continuous" else []
@@ -64,7 +69,7 @@ class ModelRunner:
                                     for n in (cfg.num_layers - sum(windowed), sum(windowed)))
         bytes_per_token = max(1, full_bytes + int(ratio * window_bytes))
         # this rank's share, roughly (the norms are read by every rank; they are tiny)
-        weight_bytes = ckpt.numel() * self.dtype.itemsize // tp.size
+        weight_bytes = weight_bytes_of(ckpt, self.quantized, self.dtype) // tp.size
         # every rank must hold the same slots: the smallest pool any rank affords
         self.max_total_tokens = tp.min_int(kv_pool_size(sa, self.context_len, bytes_per_token, weight_bytes))
         self.sliding_window = max((w for w in cfg.layer_windows if w is not None), default=0)
@@ -86,7 +91,12 @@ class ModelRunner:
                                       deterministic=sa.deterministic, tp=tp)
         self.model.to(device=self.device, dtype=self.dtype)
         with ckpt:
-            self.model.load_weights(ckpt)  # this rank's shards; also packs the matmuls for the device
+            self.model.load_weights(ckpt, self.quantized)  # this rank's shards; also packs the matmuls
+        if self.quantized is not None:
+            logger.info("Weights: %d matmul weights in the GGUF's blocks (%.1f MiB)%s", len(self.quantized),
+                        self.quantized.nbytes / 2**20, "".join(
+                            f"; {name} as {kind} dequantized to {dtype_name(self.dtype)}"
+                            for name, kind in self.quantized.float_types.items()))
         # after the packing: the native decoder holds the packed weights
         self.model.native_decoder = build_native_decoder(self.model)
         self.sampler = Sampler(sa.random_seed, self.device)
@@ -343,3 +353,11 @@ def _eos_token_ids(folder: str, config: dict) -> list[int]:
             if isinstance(tok, int) and tok not in found:
                 found.append(tok)
     return found
+
+
+def weight_bytes_of(ckpt: CheckpointReader, quantized: GGUFWeights | None, dtype: torch.dtype) -> int:
+    """Bytes the weights take in memory, roughly (the KV pool gets what is left):
+    quantized blocks as they are, every other tensor in `dtype`."""
+    dense = [name for name in ckpt.names() if quantized is None or quantized.get(name) is None]
+    return sum(math.prod(ckpt.shape(name)) for name in dense) * dtype.itemsize \
+        + (quantized.nbytes if quantized is not None else 0)

@@ -18,6 +18,12 @@ built from another spec is built again. The shape is the default model's
   scores (50) and logits (30), GELU-tanh, sandwich norms, scaled embeddings,
   tied embeddings.
 
+One is not the default model's size: `llama1b`, Llama 3.2 1B's shape (hidden
+2048, 16 layers, 32 q / 8 kv heads of 64, intermediate 8192, tied
+embeddings, rope theta 500000) with the default vocabulary: 1.24 B
+parameters, 2.5 GB in bfloat16, which no processor's cache holds, so its
+decode measures memory bandwidth (bench/lib/gguf_models.py writes it as GGUF).
+
 The weights are transformers' own initialisation (normal, std 0.02): what a
 step costs does not depend on them, and the benchmarks ignore EOS.
 """
@@ -45,6 +51,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gemma2": dict(model_type="gemma2", tie_word_embeddings=True, sliding_window=4096, query_pre_attn_scalar=64,
                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                    hidden_activation="gelu_pytorch_tanh"),
+    "llama1b": dict(model_type="llama", tie_word_embeddings=True, hidden_size=2048, num_hidden_layers=16,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=64, intermediate_size=8192,
+                    rope_theta=500000.0),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 SPEC_FILE = "bench_model.json"  # what the folder was built from

@@ -16,13 +16,15 @@ VOCAB = {"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "pad_token_i
 
 @pytest.mark.parametrize("family", list(bench_models.FAMILIES))
 def test_each_family_is_the_default_models_shape_with_its_own_features(family):
+    """(llama1b is Llama 3.2 1B's shape, with the default vocabulary.)"""
     from transformers import AutoConfig
 
     args = bench_models.spec(family, VOCAB)
     cfg = ModelConfig.from_dict(AutoConfig.for_model(args.pop("model_type"), **args).to_dict())
+    shape = (2048, 16, 32, 8, 64, 8192) if family == "llama1b" else (576, 30, 9, 3, 64, 1536)
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, cfg.vocab_size) == (576, 30, 9, 3, 64, 1536, 49152)
-    features = {"qwen3": cfg.qk_norm and not cfg.sliding,
+            cfg.intermediate_size, cfg.vocab_size) == (*shape, 49152)
+    features = {"llama1b": cfg.tie_word_embeddings and not cfg.sliding and cfg.rope_theta == 500000.0,"qwen3": cfg.qk_norm and not cfg.sliding,
                 "phi3": cfg.fused_checkpoint and not cfg.tie_word_embeddings,
                 "mistral": cfg.layer_windows == (128,) * 30,
                 "gemma2": (cfg.layer_windows[:2] == (4096, None) and cfg.attn_softcap == 50.0

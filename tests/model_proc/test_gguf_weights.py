@@ -1,0 +1,95 @@
+"""A GGUF file's matmul weights served as its own blocks: every quantized
+tensor of the default model, read as blocks (q/k rows put back in
+Hugging Face's order), dequantizes to exactly what transformers' GGUF
+loader makes of it; a weight's row and column slices and stacks are the
+same slices of its float form; a model served on blocks gives the logits
+of the same model dequantized at load (`--quantization none`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.lib.gguf_models import ggml_qk_order, write_llama_gguf
+from common.server_args import ServerArgs, default_model_path
+from model_proc.layers import Linear, MatmulKernel
+from model_proc.quant.ggml_types import GGMLType
+from model_proc.quant.gguf_weights import GGUFWeights, llama_qk_order
+from model_proc.quant.weight import QuantWeight
+from model_proc.runner import ModelRunner
+from model_proc.weights import CheckpointReader
+from tests.helpers import RunnerDriver, make_tiny_llama
+
+PROMPT, ANSWER = [5, 9, 200, 3, 77, 41, 8], [4, 99, 250, 7]
+
+
+def test_every_quantized_tensor_of_the_default_model_dequantizes_to_transformers_float(default_model_dir):
+    with CheckpointReader(default_model_dir) as ckpt:
+        weights = GGUFWeights(default_model_path(), ckpt.names(), num_heads=9, num_kv_heads=3)
+        # SmolLM2's file: every matmul in Q4_1, the (tied) embedding in Q8_0
+        assert len(weights) == 30 * 7 + 1 and not weights.float_types
+        assert weights.get("model.embed_tokens.weight").segments[0].qtype is GGMLType.Q8_0
+        for name in ckpt.names():
+            w = weights.get(name)
+            if w is not None:
+                assert torch.equal(w.dequantize(), ckpt.read(name)), name
+
+
+def test_the_qk_row_orders_are_inverse_permutations():
+    for rows, heads in [(576, 9), (192, 3), (64, 4)]:
+        assert torch.equal(ggml_qk_order(rows, heads)[llama_qk_order(rows, heads)], torch.arange(rows))
+
+
+def _blocks_of(w: torch.Tensor, qtype: str) -> QuantWeight:
+    import gguf
+
+    data = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[qtype])
+    return QuantWeight.of(GGMLType[qtype], torch.from_numpy(data), w.shape[1])
+
+
+def test_slices_and_stacks_of_blocks_are_the_slices_and_stacks_of_their_floats():
+    g = torch.Generator().manual_seed(0)
+    a = _blocks_of(torch.randn(48, 128, generator=g), "Q4_0")
+    b = _blocks_of(torch.randn(16, 128, generator=g), "Q8_0")
+    fa, fb = a.dequantize(), b.dequantize()
+    both = QuantWeight.cat([a, b, a.rows(0, 8)])
+    assert [s.qtype for s in both.segments] == [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_0]
+    assert torch.equal(both.dequantize(), torch.cat([fa, fb, fa[:8]]))
+    assert torch.equal(both.rows(40, 70).dequantize(), torch.cat([fa, fb, fa[:8]])[40:70])
+    assert torch.equal(both.columns(32, 96).dequantize(), torch.cat([fa, fb, fa[:8]])[:, 32:96])
+    assert torch.equal(a.take_rows(torch.tensor([3, 0, 47])).dequantize(), fa[[3, 0, 47]])
+    x = torch.randn(3, 128, generator=g)
+    scale = torch.rand(128, generator=g) + 0.5
+    ref = (x.double() * scale.double()) @ torch.cat([fa, fb, fa[:8]]).double().T
+    got = both.scaled_input(scale).matmul(x)
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+    with pytest.raises(ValueError, match="splits only on its 32-weight blocks"):
+        a.columns(16, 64)
+
+
+def test_a_model_on_its_blocks_gives_the_logits_of_its_dequantized_weights(tmp_path):
+    """A tiny random Llama with the default model's vocabulary (its tokenizer
+    comes with the template GGUF) in Q4_0 (the default model covers Q4_1 and
+    Q8_0 end to end: tests/model_proc/test_default_model.py)."""
+    model = make_tiny_llama(str(tmp_path / "hf"), seed=3, vocab_size=49152)
+    path = write_llama_gguf(model, str(tmp_path / "tiny-Q4_0.gguf"), "Q4_0")
+
+    def runner(quantization: str) -> ModelRunner:
+        return ModelRunner(ServerArgs(model_path=path, dtype="float32", max_total_tokens=256,
+                                      max_running_requests=2, cache_dir=str(tmp_path), quantization=quantization))
+
+    blocks, floats = runner(""), runner("none")
+    kernels = {m.kernel for m in blocks.model.modules() if isinstance(m, Linear)}
+    assert kernels == {MatmulKernel.QUANT} and blocks.model.embed_tokens.quantized is not None
+    assert MatmulKernel.QUANT not in {m.kernel for m in floats.model.modules() if isinstance(m, Linear)}
+    ours = RunnerDriver(blocks).teacher_forced_logits(PROMPT, ANSWER)
+    ref = RunnerDriver(floats).teacher_forced_logits(PROMPT, ANSWER)
+    # the same weights, float32 sums in another order (the norm applied to x, not folded into W)
+    assert (ours - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_quantization_gguf_needs_a_gguf_file(tiny_llama_dir):
+    with pytest.raises(ValueError, match="--quantization gguf needs a .gguf model"):
+        ServerArgs(model_path=tiny_llama_dir, quantization="gguf")
+    with pytest.raises(ValueError, match="--quantization must be one of gguf, none"):
+        ServerArgs(model_path=tiny_llama_dir, quantization="awq")
