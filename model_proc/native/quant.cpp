@@ -239,11 +239,11 @@ struct Q6_K {
   static constexpr bool kOffset = false, kFused = false, kHalfScales = true;
   static void prep(const uint8_t* b, Prep& p) {
     const float d = f16(b + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
 #ifdef BS_QUANT_AVX2  // the loop below, vectorised
     for (int i = 0; i < 16; i += 8)
       _mm256_store_ps(p.scale + i, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(load8_i8(b + 192 + i))));
 #else
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     for (int i = 0; i < 16; ++i) p.scale[i] = d * static_cast<float>(sc[i]);
 #endif
   }

@@ -28,6 +28,13 @@ _BLOCK_SHAPES: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q6_K: (256, 210),  # 128 bytes low nibbles, 64 of 2-bit highs, 16 int8 scales, fp16 d
 }
 
+# where in a block its fp16 fields lie (d; Q4_1's m; the K-quants' dmin): the
+# bytes that must hold finite values, for tests and benchmarks making blocks
+_FP16_FIELDS: dict[GGMLType, tuple[int, ...]] = {
+    GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q8_0: (0,),
+    GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),
+}
+
 SUPPORTED: frozenset[GGMLType] = frozenset(_BLOCK_SHAPES)
 
 
@@ -43,6 +50,11 @@ def ggml_type(qtype: int) -> GGMLType:
 def block_shape(qtype: int) -> tuple[int, int]:
     """(weights, bytes) per block of `qtype`."""
     return _BLOCK_SHAPES[ggml_type(qtype)]
+
+
+def fp16_fields(qtype: int) -> tuple[int, ...]:
+    """Byte offsets in a block of `qtype` of its fp16 scales."""
+    return _FP16_FIELDS[ggml_type(qtype)]
 
 
 def row_bytes(qtype: int, k: int) -> int:

@@ -14,7 +14,7 @@ import torch
 from model_proc import native
 from model_proc.quant import matmul
 from model_proc.quant.dequant import dequantize_torch
-from model_proc.quant.ggml_types import SUPPORTED, GGMLType, block_shape, row_bytes
+from model_proc.quant.ggml_types import SUPPORTED, GGMLType, block_shape, fp16_fields, row_bytes
 from model_proc.quant.matmul import dequantize, quant_matmul
 
 op = native.load(name="quant")
@@ -26,12 +26,6 @@ N, K = 37, 512  # an odd row count (the gemv's tails), two K-quant blocks a row
 QUANTIZABLE = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0}
 
 
-def scale_fields(qtype: GGMLType) -> list[int]:
-    """Byte offsets of the fp16 scales in a block (d; Q4_1's m; the K-quants' dmin)."""
-    return {GGMLType.Q4_0: [0], GGMLType.Q8_0: [0], GGMLType.Q4_1: [0, 2], GGMLType.Q4_K: [0, 2],
-            GGMLType.Q5_K: [0, 2], GGMLType.Q6_K: [208]}[qtype]
-
-
 def random_blocks(qtype: GGMLType, n: int, k: int, seed: int) -> np.ndarray:
     """uint8 [n, row_bytes]: random bytes (every code, 6-bit scale and bit
     pattern occurs), the fp16 scales overwritten with finite values of both
@@ -39,7 +33,7 @@ def random_blocks(qtype: GGMLType, n: int, k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     weights, nbytes = block_shape(qtype)
     raw = rng.integers(0, 256, size=(n, k // weights, nbytes), dtype=np.uint8)
-    for off in scale_fields(qtype):
+    for off in fp16_fields(qtype):
         scales = (rng.standard_normal(raw.shape[:2]) * 0.02).astype(np.float16)
         scales.flat[::17] = 0.0
         scales.flat[5::23] = np.float16(3e-6)  # subnormal in fp16
