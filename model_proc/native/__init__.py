@@ -3,7 +3,8 @@ torch.utils.cpp_extension into a persistent cache directory and reused
 afterwards (ninja rebuilds only when the source or flags change):
 
 - `attention` (attention.cpp): decode and extend attention over the paged pool;
-- `layers` (layers.cpp): the bfloat16 matmuls with their epilogues, RMSNorm, rotary.
+- `layers` (layers.cpp): the bfloat16 matmuls with their epilogues, RMSNorm, rotary;
+- `quant` (quant.cpp): matmuls on GGUF-quantized weight blocks (model_proc/quant/).
 
 `load(name)` returns the compiled module, or None when it cannot be built
 (no compiler, a failed build, not a CPU build of torch...); the reason is
@@ -29,10 +30,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODULES = ("attention", "layers")
+MODULES = ("attention", "layers", "quant")
 CFLAGS = ["-O3", "-fopenmp", "-march=native", "-std=c++17"]
+# a module's own flags besides: quant's dequantization equals gguf-py's bit for bit,
+# which needs each float32 multiply and add rounded apart (g++ fuses them by default)
+MODULE_CFLAGS = {"quant": ["-ffp-contract=off"]}
 # what each module is for, in its log lines
-PURPOSE = {"attention": "native attention op", "layers": "native layer ops"}
+PURPOSE = {"attention": "native attention op", "layers": "native layer ops", "quant": "native quantized matmul"}
 
 _modules: dict[str, ModuleType] = {}
 _failures: dict[str, str] = {}
@@ -40,6 +44,10 @@ _failures: dict[str, str] = {}
 
 def source(name: str) -> str:
     return os.path.join(HERE, f"{name}.cpp")
+
+
+def cflags(name: str) -> list[str]:
+    return CFLAGS + MODULE_CFLAGS.get(name, [])
 
 
 def build_dir(name: str = "attention") -> str:
@@ -57,7 +65,7 @@ def build_dir(name: str = "attention") -> str:
         pass
     cpu = hashlib.sha1(flags.encode()).hexdigest()[:10]
     with open(source(name), "rb") as f:
-        digest = hashlib.sha1(f.read() + " ".join(CFLAGS).encode()).hexdigest()[:10]
+        digest = hashlib.sha1(f.read() + " ".join(cflags(name)).encode()).hexdigest()[:10]
     path = os.path.join(root, f"{name}-torch{torch.__version__}-{platform.machine()}-{cpu}-{digest}")
     os.makedirs(path, exist_ok=True)
     return path
@@ -104,7 +112,7 @@ def load(verbose: bool = False, name: str = "attention") -> ModuleType | None:
             directory = build_dir(name)
             with _build_lock(directory):
                 _modules[name] = cpp_load(name=f"batchserve_native_{name}", sources=[_source_copy(name, directory)],
-                                          extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                                          extra_cflags=cflags(name), extra_ldflags=["-fopenmp"],
                                           build_directory=directory, verbose=verbose)
         except Exception as e:  # any build or import failure: keep the torch path
             _failures[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
