@@ -48,9 +48,12 @@ def _copy_template_keys(writer: gguf.GGUFWriter, template: gguf.GGUFReader) -> N
         writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
 
 
-def write_llama_gguf(model_dir: str, out: str, qtype: str, template: str | None = None) -> str:
+def write_llama_gguf(model_dir: str, out: str, qtype: str, template: str | None = None,
+                     with_tokenizer: bool = True) -> str:
     """`model_dir` (a Llama Hugging Face folder whose vocabulary is the
-    template's) as a GGUF at `out` with its matmul weights in `qtype`."""
+    template's) as a GGUF at `out` with its matmul weights in `qtype`.
+    with_tokenizer=False: no tokenizer or chat template (a file only for
+    reading its tensors back: the 49152 tokens take most of the writing)."""
     if qtype not in QTYPES:
         raise ValueError(f"qtype must be one of {QTYPES}, not {qtype!r}")
     with open(os.path.join(model_dir, "config.json")) as f:
@@ -59,7 +62,8 @@ def write_llama_gguf(model_dir: str, out: str, qtype: str, template: str | None 
         raise ValueError(f"only Llama checkpoints are written, not {cfg['model_type']!r}")
     reader = gguf.GGUFReader(template or default_model_path())
     writer = gguf.GGUFWriter(out, "llama")
-    _copy_template_keys(writer, reader)
+    if with_tokenizer:
+        _copy_template_keys(writer, reader)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     writer.add_context_length(cfg["max_position_embeddings"])
