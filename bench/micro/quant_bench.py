@@ -1,6 +1,7 @@
 """Matmuls on GGUF-quantized weights (model_proc/quant) beside float32 ones.
 
     python -m bench.micro.quant_bench [--rows 1 4 16 64] [--types Q4_0 Q8_0 ...] [--calls 9]
+                                      [--threads 1 --clock thread]
 
 For the matmul shapes (N outputs x K inputs) of a 1B Llama and of the default
 model (SmolLM2-135M), at each number of x rows: the median ms of float32
@@ -14,6 +15,11 @@ cycles through copies of its weight that together outgrow the L3 cache. The
 floor beside each time is the weight's bytes over the read bandwidth measured
 on the spot (bench.lib.machine_rates.read_bandwidth); "x floor" is the time
 over it. Prints the table only (bench/RESULTS.md is left alone).
+
+On a machine other work is loading, a thread that loses its core stalls a
+parallel call for a whole time slice (the medians become 8-12 ms); `--threads
+1 --clock thread` then times one thread by its own CPU time (time.thread_time),
+which leaves out the time it waited, and the floor is one thread's read bandwidth.
 """
 
 from __future__ import annotations
@@ -56,13 +62,16 @@ def random_blocks(qtype: GGMLType, n: int, k: int, gen: torch.Generator) -> torc
     return blocks.view(n, row_bytes(qtype, k))
 
 
+clock = time.perf_counter  # or time.thread_time (--clock thread)
+
+
 def median_ms(fn: Callable[[], object], calls: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(calls):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return 1e3 * statistics.median(times)
 
 
@@ -136,7 +145,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--types", nargs="+", choices=[t.name for t in TYPES], default=[t.name for t in TYPES])
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     p.add_argument("--calls", type=int, default=9, help="timed calls per kernel, shape and rows (median)")
+    p.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own)")
+    p.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                   help="wall: time.perf_counter; thread: this thread's CPU time (one thread only)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "thread":
+        if torch.get_num_threads() != 1:
+            p.error("--clock thread times this thread alone: give --threads 1")
+        global clock
+        clock = time.thread_time
     types = [GGMLType[t] for t in args.types]
     load0 = os.getloadavg()
     bandwidth = read_bandwidth()
@@ -148,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     load1 = os.getloadavg()
     kernels = ["f32"] + (["onednn"] if onednn_supports(torch.device("cpu"), torch.float32) else []) + args.types
     print(f"\n{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads; read bandwidth {bandwidth / 1e9:.1f} GB/s (best `sum` over 512 MiB); quant_matmul's gemv up to "
+          f"threads, {args.clock} clock; read bandwidth {bandwidth / 1e9:.1f} GB/s (best `sum` over 512 MiB); quant_matmul's gemv up to "
           f"{GEMV_MAX_ROWS} rows; load average (1, 5, 15 min) {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} at the "
           f"start, {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} at the end\n")
     print(table(results, args.rows, kernels, bandwidth))

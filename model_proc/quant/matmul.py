@@ -29,6 +29,7 @@ GEMV_MAX_ROWS = 16
 # float32 elements of one dequantized tile (4 MiB; tried 0.25-16 MiB: 4 was
 # best or within 5% at 32 and 200 rows): bounds the temporary memory
 TILE_ELEMENTS = 1 << 20
+_X_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _op():  # -> the native module or None
@@ -49,16 +50,17 @@ def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLType, k: int)
     """x @ dequantize(W).T: [M, N] in x's dtype, from x [M, k] (float32 or
     bfloat16) and W's blocks uint8 [N, row_bytes] of `qtype`. Computed in
     float32 (a bfloat16 x is widened, the result rounded once)."""
-    qtype = check_blocks(blocks, qtype, k)
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
-    m, n = x.shape[0], blocks.shape[0]
+    if x.dtype not in _X_DTYPES or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be float32 or bfloat16 [M, {k}], got {x.dtype} {tuple(x.shape)}")
     op = _op()
-    xf = x.float().contiguous()
-    if op is not None and m <= GEMV_MAX_ROWS:
-        return op.gemv(xf, blocks, int(qtype)).to(x.dtype)
+    xf = x.float().contiguous()  # itself when it already is
+    if op is not None and x.shape[0] <= GEMV_MAX_ROWS:
+        # the op checks the blocks (type, bytes a row) itself: a decode step
+        # makes hundreds of these calls, each python check costs ~1 us
+        y = op.gemv(xf, blocks, int(qtype))
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+    qtype = check_blocks(blocks, qtype, k)
+    m, n = x.shape[0], blocks.shape[0]
     out = torch.empty(m, n, dtype=x.dtype)
     rows = max(1, min(n, TILE_ELEMENTS // k))
     tile = torch.empty(rows, k) if op is not None else None
@@ -70,4 +72,3 @@ def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLType, k: int)
             w = dequantize_torch(part, qtype, k)
         out[:, n0:n0 + part.shape[0]] = torch.mm(xf, w.t())
     return out
-

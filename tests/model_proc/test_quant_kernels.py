@@ -174,10 +174,15 @@ def test_bad_input_is_refused_with_its_reason() -> None:
         dequantize_torch(blocks, GGMLType.Q4_K, 256)
     with pytest.raises(ValueError, match="uint8"):
         dequantize_torch(blocks.view(torch.int8), GGMLType.Q4_K, K)
-    with pytest.raises(ValueError, match=r"x must be \[M, 512\]"):
+    with pytest.raises(ValueError, match=r"x must be float32 or bfloat16 \[M, 512\]"):
         quant_matmul(torch.zeros(2, 256), blocks, GGMLType.Q4_K, K)
-    with pytest.raises(ValueError, match="unsupported GGML type 99"):
-        quant_matmul(torch.zeros(2, K), blocks, 99, K)
+    with pytest.raises(ValueError, match=r"x must be float32 or bfloat16 \[M, 512\]"):
+        quant_matmul(torch.zeros(2, K, dtype=torch.float64), blocks, GGMLType.Q4_K, K)
+    for m in (2, 200):  # the gemv (where the op runs: its own checks) and the tiles
+        with pytest.raises(ValueError, match="unsupported GGML type 99"):
+            quant_matmul(torch.zeros(m, K), blocks, 99, K)
+        with pytest.raises(ValueError, match="288 bytes a row"):
+            quant_matmul(torch.zeros(m, 256), blocks, GGMLType.Q4_K, 256)
 
 
 @needs_op
