@@ -1,7 +1,7 @@
 """Matmuls on GGUF-quantized weights (model_proc/quant) beside float32 ones.
 
     python -m bench.micro.quant_bench [--rows 1 4 16 64] [--types Q4_0 Q8_0 ...] [--calls 9]
-                                      [--threads 1 --clock thread]
+                                      [--threads 1 --clock thread] [--stat min]
 
 For the matmul shapes (N outputs x K inputs) of a 1B Llama and of the default
 model (SmolLM2-135M), at each number of x rows: the median ms of float32
@@ -19,7 +19,8 @@ over it. Prints the table only (bench/RESULTS.md is left alone).
 On a machine other work is loading, a thread that loses its core stalls a
 parallel call for a whole time slice (the medians become 8-12 ms); `--threads
 1 --clock thread` then times one thread by its own CPU time (time.thread_time),
-which leaves out the time it waited, and the floor is one thread's read bandwidth.
+which leaves out the time it waited, and the floor is one thread's read bandwidth;
+or `--stat min` reports each kernel's fastest call (one the others left alone).
 """
 
 from __future__ import annotations
@@ -63,16 +64,18 @@ def random_blocks(qtype: GGMLType, n: int, k: int, gen: torch.Generator) -> torc
 
 
 clock = time.perf_counter  # or time.thread_time (--clock thread)
+stat = statistics.median    # or min (--stat min)
 
 
 def median_ms(fn: Callable[[], object], calls: int) -> float:
+    """ms of one call: the median (or --stat's) over `calls` after a warm-up."""
     fn()  # warm-up
     times = []
     for _ in range(calls):
         start = clock()
         fn()
         times.append(clock() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * stat(times)
 
 
 def cycling(items: list, call: Callable) -> Callable[[], object]:
@@ -148,13 +151,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own)")
     p.add_argument("--clock", choices=["wall", "thread"], default="wall",
                    help="wall: time.perf_counter; thread: this thread's CPU time (one thread only)")
+    p.add_argument("--stat", choices=["median", "min"], default="median", help="of each kernel's calls")
     args = p.parse_args(argv)
+    global clock, stat
+    stat = min if args.stat == "min" else statistics.median
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.clock == "thread":
         if torch.get_num_threads() != 1:
             p.error("--clock thread times this thread alone: give --threads 1")
-        global clock
         clock = time.thread_time
     types = [GGMLType[t] for t in args.types]
     load0 = os.getloadavg()
@@ -167,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     load1 = os.getloadavg()
     kernels = ["f32"] + (["onednn"] if onednn_supports(torch.device("cpu"), torch.float32) else []) + args.types
     print(f"\n{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads, {args.clock} clock; read bandwidth {bandwidth / 1e9:.1f} GB/s (best `sum` over 512 MiB); quant_matmul's gemv up to "
+          f"threads, {args.clock} clock, {args.stat} of {args.calls} calls; read bandwidth {bandwidth / 1e9:.1f} GB/s (best `sum` over 512 MiB); quant_matmul's gemv up to "
           f"{GEMV_MAX_ROWS} rows; load average (1, 5, 15 min) {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} at the "
           f"start, {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} at the end\n")
     print(table(results, args.rows, kernels, bandwidth))
