@@ -182,10 +182,13 @@ class Variant(enum.Enum):
     OURS_BF16 = "ours bfloat16 (default backend)"
     OURS_BF16_TORCH = "ours bfloat16, torch attention"
     OURS_F32 = "ours float32"
+    # a GGUF --model-path served on its own blocks (model_proc/quant/), float32 activations
+    OURS_BLOCKS_F32 = "ours float32, the GGUF's blocks"
 
 
 def runner_args(variant: Variant, model_path: str, context: int) -> ServerArgs:
-    dtype = "float32" if variant is Variant.OURS_F32 else "bfloat16"
+    """model_path: the GGUF for a blocks variant, else the Hugging Face folder."""
+    dtype = "float32" if variant in (Variant.OURS_F32, Variant.OURS_BLOCKS_F32) else "bfloat16"
     extra = {"attention_backend": "torch"} if variant is Variant.OURS_BF16_TORCH else {}
     return ServerArgs(model_path=model_path, dtype=dtype, max_running_requests=1, context_length=context,
                       max_total_tokens=context, **extra)
@@ -282,9 +285,11 @@ def measure(model_path: str, prompts: list[list[int]], steps: int, variants: lis
         refs.append(hf_logits(ref_model, p, answers[-1]))
     del ref_model
     context = max(len(p) for p in prompts) + steps + 1
+    # blocks are a GGUF's own: no such variant for a Hugging Face folder
+    variants = [v for v in variants if v is not Variant.OURS_BLOCKS_F32 or model_path.endswith(".gguf")]
     tallies = {v: Tally() for v in variants}
     first_tokens = {}
-    for v, logits_of in variant_logits(folder, variants, context):
+    for v, logits_of in variant_logits(folder, variants, context, model_path):
         for i, (p, a, ref) in enumerate(zip(prompts, answers, refs)):
             x = logits_of(p, a)
             tallies[v].add(kl_per_position(ref, x), x.argmax(-1) == ref.argmax(-1), len(p))
@@ -295,15 +300,19 @@ def measure(model_path: str, prompts: list[list[int]], steps: int, variants: lis
     return Measured(tallies, first_tokens, (top2[0] - top2[1]).item(), int(refs[0][len(prompts[0]) - 1].argmax()))
 
 
-def variant_logits(folder: str, variants: list[Variant],
-                   context: int) -> Iterator[tuple[Variant, Callable[[list[int], list[int]], torch.Tensor]]]:
-    """Each variant's logits function, one model in memory at a time."""
+def variant_logits(folder: str, variants: list[Variant], context: int, model_path: str = ""
+                   ) -> Iterator[tuple[Variant, Callable[[list[int], list[int]], torch.Tensor]]]:
+    """Each variant's logits function, one model in memory at a time (a
+    blocks variant on `model_path`, a GGUF)."""
     from transformers import AutoModelForCausalLM
 
     for v in variants:
         if v is Variant.HF_BF16:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
             yield v, lambda p, a, m=model: hf_logits(m, p, a)
+        elif v is Variant.OURS_BLOCKS_F32:
+            runner = ModelRunner(runner_args(v, model_path, context))
+            yield v, lambda p, a, r=runner: runner_logits(r, p, a)
         else:
             runner = ModelRunner(runner_args(v, folder, context))
             yield v, lambda p, a, r=runner: runner_logits(r, p, a)
