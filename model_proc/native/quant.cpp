@@ -31,10 +31,17 @@
 // Past ~16 x rows the gemv loses to dequantized tiles and torch's sgemm
 // (matmul.py): each of its FMAs loads x, where sgemm's blocking reuses it.
 //
-// Measured, one thread, thread CPU time, weights from DRAM (8192 x 2048, one
-// x row; Zen 3 at 3.2 GHz, 2 FMA/cycle): Q4_0 ~13 weights/ns (7.5 GB/s of
-// blocks), Q8_0 ~13 (14 GB/s), Q4_K ~13.5, Q5_K ~9, Q6_K ~8; a thread's own
-// read bandwidth is ~19-23 GB/s. Both cores: python -m bench.micro.quant_bench.
+// Measured, 8192 x 2048 (a 1B Llama's MLP up), one x row, weights from DRAM,
+// AMD EPYC (Zen 3, 3.2 GHz), 2026-12-06:
+// - one thread, its CPU time: Q4_0, Q4_1, Q4_K, Q8_0 ~13 weights/ns, Q5_K ~9,
+//   Q6_K ~8 (Q4_0: 7.5 GB/s of blocks, Q8_0: 14; one thread reads ~20 GB/s);
+// - both cores, fastest of 300 calls (the machine was loaded, 1-min load
+//   average 4-5: the medians were time slices), floor = bytes / 18.2 GB/s
+//   (`sum`): Q4_0 0.66 ms (1.27 x floor), Q4_1 0.69 (1.19), Q8_0 0.78 (0.80:
+//   22.7 GB/s, above `sum`'s), Q4_K 0.64 (1.23), Q5_K 0.93 (1.47), Q6_K 1.08
+//   (1.43); float32 F.linear 3.19 ms. The 4- and 5-bit types are bound by the
+//   decode's instructions on 2 cores, Q8_0 by memory.
+// python -m bench.micro.quant_bench has every shape and row count.
 //
 // Paths: AVX2 + FMA + F16C where the compiler targets them (-march=native),
 // a scalar one everywhere else (and under set_simd(False), for the tests).
