@@ -59,7 +59,7 @@ class ModelRunner:
         kv_heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size).num_kv_heads
         ckpt = CheckpointReader(self.model_path)
         # a GGUF file's matmul weights as its own blocks (model_proc/quant/)
-        self.quantized = GGUFWeights(sa.model_path, ckpt.names(), cfg.num_heads, cfg.num_kv_heads) \
+        quantized = GGUFWeights(sa.model_path, ckpt.names(), cfg.num_heads, cfg.num_kv_heads) \
             if sa.model_path.endswith(".gguf") and sa.quantization != "none" else None
         # sliding layers in a window pool of their own (scheduler_proc/window_pool.py)
         windowed = [w is not None for w in cfg.layer_windows] \
@@ -69,7 +69,7 @@ class ModelRunner:
                                     for n in (cfg.num_layers - sum(windowed), sum(windowed)))
         bytes_per_token = max(1, full_bytes + int(ratio * window_bytes))
         # this rank's share, roughly (the norms are read by every rank; they are tiny)
-        weight_bytes = weight_bytes_of(ckpt, self.quantized, self.dtype) // tp.size
+        weight_bytes = weight_bytes_of(ckpt, quantized, self.dtype) // tp.size
         # every rank must hold the same slots: the smallest pool any rank affords
         self.max_total_tokens = tp.min_int(kv_pool_size(sa, self.context_len, bytes_per_token, weight_bytes))
         self.sliding_window = max((w for w in cfg.layer_windows if w is not None), default=0)
@@ -91,12 +91,15 @@ class ModelRunner:
                                       deterministic=sa.deterministic, tp=tp)
         self.model.to(device=self.device, dtype=self.dtype)
         with ckpt:
-            self.model.load_weights(ckpt, self.quantized)  # this rank's shards; also packs the matmuls
-        if self.quantized is not None:
-            logger.info("Weights: %d matmul weights in the GGUF's blocks (%.1f MiB)%s", len(self.quantized),
-                        self.quantized.nbytes / 2**20, "".join(
+            self.model.load_weights(ckpt, quantized)  # this rank's shards; also packs the matmuls
+        if quantized is not None:
+            logger.info("Weights: %d matmul weights in the GGUF's blocks (%.1f MiB)%s", len(quantized),
+                        quantized.nbytes / 2**20, "".join(
                             f"; {name} as {kind} dequantized to {dtype_name(self.dtype)}"
-                            for name, kind in self.quantized.float_types.items()))
+                            for name, kind in quantized.float_types.items()))
+            # the model holds what it uses (a fused weight is a copy: q/k/v stacked); the file's
+            # separate tensors would double them
+            del quantized
         # after the packing: the native decoder holds the packed weights
         self.model.native_decoder = build_native_decoder(self.model)
         self.sampler = Sampler(sa.random_seed, self.device)
