@@ -8,13 +8,12 @@ names mapped by gguf-py's table, q/k rows permuted into GGML's rotary
 order, norms and 1-D tensors in float32, every matmul weight (and the
 embedding) in `qtype`.
 
-    python -m bench.lib.gguf_models --model-dir DIR --qtype Q4_0 --out FILE
-    python -m bench.lib.gguf_models --bench-model llama1b --qtype Q4_0   # prints its path
+    python scripts/bench_gguf.py --model-dir DIR --qtype Q4_0 --out FILE
+    python scripts/bench_gguf.py --bench-model llama1b --qtype Q4_0   # prints its path
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -115,23 +114,3 @@ def ensure_bench_gguf(family: str, qtype: str) -> str:
         write_llama_gguf(folder, tmp, qtype)
         os.replace(tmp, path)
     return path
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", help="a Llama Hugging Face folder with the default vocabulary")
-    p.add_argument("--bench-model", choices=list(bench_models.FAMILIES),
-                   help="instead of --model-dir: a bench_models family, written beside its folder")
-    p.add_argument("--qtype", required=True, choices=QTYPES)
-    p.add_argument("--out", help="with --model-dir: the file to write")
-    a = p.parse_args()
-    if a.bench_model:
-        print(ensure_bench_gguf(a.bench_model, a.qtype))
-    elif a.model_dir and a.out:
-        print(write_llama_gguf(a.model_dir, a.out, a.qtype))
-    else:
-        p.error("give --bench-model, or --model-dir and --out")
-
-
-if __name__ == "__main__":
-    main()

@@ -87,24 +87,29 @@ class RunRecord:
     floors: dict[str, float] | None = None  # the machine's rates the bench measured for its floors
     data: Any = None                        # the bench's rows, as numbers, where it keeps them
     provenance: str | None = None           # set on a run migrated from the markdown history
+    # one of several records a bench keeps (bench.serving.peers, one per model): its file is
+    # <name>-<label>.json, beside the unlabelled one
+    label: str | None = None
 
     @property
     def name(self) -> str:
-        return self.bench.rsplit(".", 1)[-1]
+        base = self.bench.rsplit(".", 1)[-1]
+        return f"{base}-{self.label}" if self.label else base
 
     def to_json(self) -> dict[str, Any]:
         return {"bench": self.bench, "title": self.title, "date": self.date, "command": self.command,
                 "provenance": self.provenance,
                 "load_average": None if self.load_average is None else
                 {"start": self.load_average.start, "end": self.load_average.end},
-                "floors": self.floors, "body": [b.to_json() for b in self.body], "data": self.data}
+                "floors": self.floors, "body": [b.to_json() for b in self.body], "data": self.data,
+                **({"label": self.label} if self.label else {})}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RunRecord:
         load = d.get("load_average")
         return cls(d["bench"], d["title"], d["date"], d["command"], [Block.from_json(b) for b in d["body"]],
                    None if load is None else LoadAverage(load.get("start"), load.get("end")),
-                   d.get("floors"), d.get("data"), d.get("provenance"))
+                   d.get("floors"), d.get("data"), d.get("provenance"), d.get("label"))
 
     def render(self) -> str:
         parts = [f"## {self.title}, {self.date}"]
@@ -244,11 +249,11 @@ def today() -> str:
 
 def record_run(section: str, bench: str, *, data: Any = None, load_average: LoadAverage | None = None,
                floors: dict[str, float] | None = None, records_dir: str | None = None,
-               results_md: str | None = None) -> RunRecord:
+               results_md: str | None = None, label: str | None = None) -> RunRecord:
     """Records a run: its section becomes bench/results/latest/<name>.json
-    (replacing the benchmark's previous record) and bench/RESULTS.md is
-    rendered again from every record."""
-    record = from_markdown(section, bench, load_average=load_average, floors=floors, data=data)
+    (replacing the benchmark's previous record of that label) and
+    bench/RESULTS.md is rendered again from every record."""
+    record = from_markdown(section, bench, load_average=load_average, floors=floors, data=data, label=label)
     save(record, records_dir)
     write_results(records_dir, results_md)
     return record

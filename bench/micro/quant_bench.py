@@ -21,6 +21,8 @@ parallel call for a whole time slice (the medians become 8-12 ms); `--threads
 1 --clock thread` then times one thread by its own CPU time (time.thread_time),
 which leaves out the time it waited, and the floor is one thread's read bandwidth;
 or `--stat min` reports each kernel's fastest call (one the others left alone).
+
+Output: stdout only (the table; bench/RESULTS.md is left alone)
 """
 
 from __future__ import annotations

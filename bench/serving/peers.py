@@ -108,6 +108,14 @@ def weight_bytes(cfg: ModelConfig, elem: int) -> int:
     return model_cost.matmul_params(cfg) * elem
 
 
+def record_label(model_path: str) -> str | None:
+    """Runs on another model than the default keep records of their own
+    (peers-<label>.json): the short name, or the file's or folder's name."""
+    if not model_path or resolve_model_name(model_path) == default_model_path():
+        return None
+    return os.path.splitext(os.path.basename(model_path.rstrip("/")))[0]
+
+
 def model_folder(model_path: str) -> str:
     """The Hugging Face folder of --model-path (its tokenizer, its config), a
     short name (gemma3-270m) read as the server reads it."""
@@ -244,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with open(os.path.join(args.out_dir, "peers.md"), "w") as f:
         f.write(text)
     if args.record:
-        record_run(text, "bench.serving.peers", data=result,
+        record_run(text, "bench.serving.peers", data=result, label=record_label(args.model_path),
                    load_average=LoadAverage([round(x, 2) for x in load_start], [round(x, 2) for x in load_end]),
                    floors=floors)
     return result
