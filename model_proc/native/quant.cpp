@@ -166,6 +166,59 @@ struct Q4_1 {
 #endif
 };
 
+// Q5_0 and Q5_1: Q4_0's and Q4_1's blocks with a fifth bit per weight: fp16
+// d, (Q5_1: fp16 m,) qh, a little-endian uint32 whose bit i is weight i's
+// fifth, then the 16 bytes of nibbles (weights 0-15 low, 16-31 high).
+// Q5_0: d (q - 16); Q5_1: d q + m.
+template <bool kMin>
+struct Q5 {
+  static constexpr int64_t kType = kMin ? 7 : 6, kQK = 32, kBytes = kMin ? 24 : 22;
+  static constexpr int kBias = kMin ? 0 : 16;
+  static constexpr bool kOffset = kMin, kFused = true, kHalfScales = false;
+  static constexpr int kQh = kMin ? 4 : 2, kQs = kQh + 4;  // where qh and the nibbles start
+  static void prep(const uint8_t* b, Prep& p) {
+    p.scale[0] = f16(b);
+    if constexpr (kMin)
+      p.offset[0] = p.fused[0] = f16(b + 2);
+    else
+      p.fused[0] = -16.0f * p.scale[0];
+  }
+  static void scalar(const uint8_t* b, float* y) {
+    const float d = f16(b);
+    uint32_t qh;
+    std::memcpy(&qh, b + kQh, 4);
+    const uint8_t* q = b + kQs;
+    for (int i = 0; i < 16; ++i) {
+      const int lo = (q[i] & 15) | ((qh >> i) & 1) << 4, hi = (q[i] >> 4) | ((qh >> (i + 16)) & 1) << 4;
+      if constexpr (kMin) {
+        const float m = f16(b + 2);
+        y[i] = d * static_cast<float>(lo) + m;
+        y[i + 16] = d * static_cast<float>(hi) + m;
+      } else {
+        y[i] = d * static_cast<float>(lo - 16);
+        y[i + 16] = d * static_cast<float>(hi - 16);
+      }
+    }
+  }
+#ifdef BS_QUANT_AVX2
+  // weights 8 v + j: bit 8 v + j of qh shifted to bit 4 (by a variable shift
+  // per lane, of qh << 4 where the shift would be left, of qh for the top
+  // byte, whose bits qh << 4 has lost), or'd into the nibbles
+  static __m256i codes8(const uint8_t* b, int, int v) {
+    const __m256i a = load8_u8(b + kQs + 8 * (v & 1));
+    const __m256i u = v < 2 ? low4(a) : _mm256_srli_epi32(a, 4);
+    uint32_t qh;
+    std::memcpy(&qh, b + kQh, 4);
+    const __m256i h = _mm256_set1_epi32(static_cast<int>(v < 3 ? qh << 4 : qh));
+    const int s = v < 3 ? 8 * v : 20;
+    const __m256i shift = _mm256_setr_epi32(s, s + 1, s + 2, s + 3, s + 4, s + 5, s + 6, s + 7);
+    return _mm256_or_si256(u, _mm256_and_si256(_mm256_srlv_epi32(h, shift), _mm256_set1_epi32(16)));
+  }
+#endif
+};
+using Q5_0 = Q5<false>;
+using Q5_1 = Q5<true>;
+
 struct Q8_0 {
   static constexpr int64_t kType = 8, kQK = 32, kBytes = 34;
   static constexpr int kBias = 0;
@@ -435,13 +488,15 @@ auto dispatch(int64_t qtype, F&& f) {
   switch (qtype) {
     case Q4_0::kType: return f(Q4_0{});
     case Q4_1::kType: return f(Q4_1{});
+    case Q5_0::kType: return f(Q5_0{});
+    case Q5_1::kType: return f(Q5_1{});
     case Q8_0::kType: return f(Q8_0{});
     case Q4_K::kType: return f(Q4_K{});
     case Q5_K::kType: return f(Q5_K{});
     case Q6_K::kType: return f(Q6_K{});
   }
-  TORCH_CHECK_VALUE(false, "unsupported GGML type ", qtype, " (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, ",
-                    "Q5_K=13, Q6_K=14)");
+  TORCH_CHECK_VALUE(false, "unsupported GGML type ", qtype, " (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, ",
+                    "Q4_K=12, Q5_K=13, Q6_K=14)");
 }
 
 // The checks both ops make of a weight: its byte layout for K columns of `qtype`.
