@@ -2,16 +2,18 @@
 // the blocks are read where they lie, dequantized in registers, never into a
 // float copy of the weight. model_proc/quant/matmul.py chooses between these.
 //
-// Types (gguf numbering): Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13),
-// Q6_K (14). A weight [N, K] is N rows of K / weights_per_block blocks back
-// to back, a uint8 tensor [N, row_bytes]; its rows may be strided (a
-// block-aligned column slice), its bytes in a row must be contiguous.
+// Types (gguf numbering): Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8),
+// Q4_K (12), Q5_K (13), Q6_K (14). A weight [N, K] is N rows of K /
+// weights_per_block blocks back to back, a uint8 tensor [N, row_bytes]; its
+// rows may be strided (a block-aligned column slice), its bytes in a row must
+// be contiguous.
 //
 // `dequantize`: float32 [N, K] equal bit for bit to gguf-py's
-// gguf.quants.dequantize, i.e. in its float32 operation order: Q4_1 is
-// (d * q) + m and the K-quants (d * sc) * q - (dmin * m), two roundings each,
-// never one fused multiply-add (so this file is built with -ffp-contract=off,
-// model_proc/native/__init__.py; the explicit _mm256_fmadd_ps below still fuse).
+// gguf.quants.dequantize, i.e. in its float32 operation order: Q4_1 and Q5_1
+// are (d * q) + m and the K-quants (d * sc) * q - (dmin * m), two roundings
+// each, never one fused multiply-add (so this file is built with
+// -ffp-contract=off, model_proc/native/__init__.py; the explicit
+// _mm256_fmadd_ps below still fuse).
 //
 // `gemv`: y = x @ dequantize(W).T for the few rows of decode, x float32 (not
 // quantized, unlike llama.cpp's q8 activations: the result is the float32
@@ -19,13 +21,15 @@
 // to beat is the weight stream, and on 2 cores of AVX2 the decode's
 // instructions come close to it. Per chunk of 32 weights: 8 codes at a time
 // widened to int32 (pmovzx from memory, a mask or shift for nibbles and high
-// bits) and to float, dotted with x unscaled, the chunk's scale applied once
-// to that dot; the offsets (Q4_0's -8 d, Q4_1's m, the K-quants' -dmin m)
-// once per chunk through x's sums over the chunk. That is ~16 instructions per
-// 32 weights and x row instead of ~20 scaling each weight. One weight row at
-// a time, whole: reading 4 rows interleaved cut the prefetcher's stream from
-// ~19 to ~12-14 GB/s (one thread). Each row (in L1 by then) takes every x
-// row, 6 at a time. Threads take contiguous ranges of weight rows.
+// bits, a variable shift of qh for Q5_0's and Q5_1's fifth bits) and to float,
+// dotted with x unscaled, the chunk's scale applied once to that dot; the
+// offsets (Q4_0's -8 d, Q5_0's -16 d, Q4_1's and Q5_1's m, the K-quants'
+// -dmin m) once per chunk through x's sums over the chunk. That is ~16
+// instructions per 32 weights and x row instead of ~20 scaling each weight.
+// One weight row at a time, whole: reading 4 rows interleaved cut the
+// prefetcher's stream from ~19 to ~12-14 GB/s (one thread). Each row (in L1
+// by then) takes every x row, 6 at a time. Threads take contiguous ranges of
+// weight rows.
 // Weights are not repacked: a repacked (interleaved) layout would shave decode
 // work but break the "row slices are weights" contract the caller relies on.
 // Past ~16 x rows the gemv loses to dequantized tiles and torch's sgemm
@@ -34,7 +38,11 @@
 // Measured, one thread, thread CPU time, weights from DRAM (8192 x 2048, one
 // x row; Zen 3 at 3.2 GHz, 2 FMA/cycle): Q4_0 ~13 weights/ns (7.5 GB/s of
 // blocks), Q8_0 ~13 (14 GB/s), Q4_K ~13.5, Q5_K ~9, Q6_K ~8; a thread's own
-// read bandwidth is ~19-23 GB/s. Both cores: python -m bench.micro.quant_bench.
+// read bandwidth is ~19-23 GB/s. Q5_0 ~8.3 (5.7 GB/s), Q5_1 ~8 (6.0 GB/s),
+// beside Q4_0 ~13 in the same run (2026-12-07, load average 3.6): their fifth
+// bits take 3 more vector instructions per 8 weights, and the decode, not the
+// stream, bounds them. At 2048 x 640 (Gemma 3 270M's Q5_0 up): Q5_0 ~7.6,
+// Q4_0 ~11. Both cores: python -m bench.micro.quant_bench.
 //
 // Paths: AVX2 + FMA + F16C where the compiler targets them (-march=native),
 // a scalar one everywhere else (and under set_simd(False), for the tests).
