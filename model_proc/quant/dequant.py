@@ -34,8 +34,9 @@ def _nibbles(q: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
-    """Q5_0's and Q5_1's qh [..., 4] (a little-endian uint32) -> bit i of it
-    at bit 4 of [..., 32]'s element i: weight i's fifth bit, in place."""
+    """Q5_0's and Q5_1's qh [..., 4] (a little-endian uint32) -> [..., 32]
+    whose element i is bit i of it moved to bit 4: weight i's fifth bit, to or
+    into its nibble."""
     shifts = torch.arange(8, dtype=torch.uint8)
     return (((qh.unsqueeze(-1) >> shifts) & 1) << 4).flatten(-2)
 
