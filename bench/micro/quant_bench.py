@@ -3,12 +3,13 @@
     python -m bench.micro.quant_bench [--rows 1 4 16 64] [--types Q4_0 Q8_0 ...] [--calls 9]
                                       [--threads 1 --clock thread] [--stat min]
 
-For the matmul shapes (N outputs x K inputs) of a 1B Llama and of the default
-model (SmolLM2-135M), at each number of x rows: the median ms of float32
-F.linear, of oneDNN's pre-packed float32 weight (model_proc/layers.py Linear's
-kernel), and of quant_matmul for each GGUF type (the native gemv up to
-matmul.GEMV_MAX_ROWS rows, dequantized tiles and torch.mm above). K-quants
-need K a multiple of 256: none of them for K = 576.
+For the matmul shapes (N outputs x K inputs) of a 1B Llama, of the default
+model (SmolLM2-135M) and of Gemma 3 270M's Q5_0 ones (K = 640), at each number
+of x rows: the median ms of float32 F.linear, of oneDNN's pre-packed float32
+weight (model_proc/layers.py Linear's kernel), and of quant_matmul for each
+GGUF type (the native gemv up to matmul.GEMV_MAX_ROWS rows, dequantized tiles
+and torch.mm above). K-quants need K a multiple of 256: none of them for K =
+576 or 640 (where llama.cpp's Q4_K_M files fall back to Q5_0).
 
 Every call reads its weight from memory, as a decode step does: each kernel
 cycles through copies of its weight that together outgrow the L3 cache. The
@@ -46,8 +47,10 @@ SHAPES = {  # name: (N, K)
     "llama1b q/o": (2048, 2048), "llama1b k/v": (512, 2048), "llama1b up": (8192, 2048),
     "llama1b down": (2048, 8192),
     "smol q/o": (576, 576), "smol up": (1536, 576), "smol down": (576, 1536), "smol head": (49152, 576),
+    "gemma3 q": (1024, 640), "gemma3 up": (2048, 640),
 }
-TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K,
+         GGMLType.Q6_K]
 COPIES_BYTES = 96 << 20  # L3 here is 32 MiB
 
 

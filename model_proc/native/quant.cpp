@@ -2,16 +2,18 @@
 // the blocks are read where they lie, dequantized in registers, never into a
 // float copy of the weight. model_proc/quant/matmul.py chooses between these.
 //
-// Types (gguf numbering): Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13),
-// Q6_K (14). A weight [N, K] is N rows of K / weights_per_block blocks back
-// to back, a uint8 tensor [N, row_bytes]; its rows may be strided (a
-// block-aligned column slice), its bytes in a row must be contiguous.
+// Types (gguf numbering): Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8),
+// Q4_K (12), Q5_K (13), Q6_K (14). A weight [N, K] is N rows of K /
+// weights_per_block blocks back to back, a uint8 tensor [N, row_bytes]; its
+// rows may be strided (a block-aligned column slice), its bytes in a row must
+// be contiguous.
 //
 // `dequantize`: float32 [N, K] equal bit for bit to gguf-py's
-// gguf.quants.dequantize, i.e. in its float32 operation order: Q4_1 is
-// (d * q) + m and the K-quants (d * sc) * q - (dmin * m), two roundings each,
-// never one fused multiply-add (so this file is built with -ffp-contract=off,
-// model_proc/native/__init__.py; the explicit _mm256_fmadd_ps below still fuse).
+// gguf.quants.dequantize, i.e. in its float32 operation order: Q4_1 and Q5_1
+// are (d * q) + m and the K-quants (d * sc) * q - (dmin * m), two roundings
+// each, never one fused multiply-add (so this file is built with
+// -ffp-contract=off, model_proc/native/__init__.py; the explicit
+// _mm256_fmadd_ps below still fuse).
 //
 // `gemv`: y = x @ dequantize(W).T for the few rows of decode, x float32 (not
 // quantized, unlike llama.cpp's q8 activations: the result is the float32
@@ -19,13 +21,15 @@
 // to beat is the weight stream, and on 2 cores of AVX2 the decode's
 // instructions come close to it. Per chunk of 32 weights: 8 codes at a time
 // widened to int32 (pmovzx from memory, a mask or shift for nibbles and high
-// bits) and to float, dotted with x unscaled, the chunk's scale applied once
-// to that dot; the offsets (Q4_0's -8 d, Q4_1's m, the K-quants' -dmin m)
-// once per chunk through x's sums over the chunk. That is ~16 instructions per
-// 32 weights and x row instead of ~20 scaling each weight. One weight row at
-// a time, whole: reading 4 rows interleaved cut the prefetcher's stream from
-// ~19 to ~12-14 GB/s (one thread). Each row (in L1 by then) takes every x
-// row, 6 at a time. Threads take contiguous ranges of weight rows.
+// bits, a variable shift of qh for Q5_0's and Q5_1's fifth bits) and to float,
+// dotted with x unscaled, the chunk's scale applied once to that dot; the
+// offsets (Q4_0's -8 d, Q5_0's -16 d, Q4_1's and Q5_1's m, the K-quants'
+// -dmin m) once per chunk through x's sums over the chunk. That is ~16
+// instructions per 32 weights and x row instead of ~20 scaling each weight.
+// One weight row at a time, whole: reading 4 rows interleaved cut the
+// prefetcher's stream from ~19 to ~12-14 GB/s (one thread). Each row (in L1
+// by then) takes every x row, 6 at a time. Threads take contiguous ranges of
+// weight rows.
 // Weights are not repacked: a repacked (interleaved) layout would shave decode
 // work but break the "row slices are weights" contract the caller relies on.
 // Past ~16 x rows the gemv loses to dequantized tiles and torch's sgemm
@@ -40,7 +44,12 @@
 //   (`sum`): Q4_0 0.66 ms (1.27 x floor), Q4_1 0.69 (1.19), Q8_0 0.78 (0.80:
 //   22.7 GB/s, above `sum`'s), Q4_K 0.64 (1.23), Q5_K 0.93 (1.47), Q6_K 1.08
 //   (1.43); float32 F.linear 3.19 ms. The 4- and 5-bit types are bound by the
-//   decode's instructions on 2 cores, Q8_0 by memory.
+//   decode's instructions on 2 cores, Q8_0 by memory;
+// - Q5_0 ~8.3 weights/ns (5.7 GB/s), Q5_1 ~8 (6.0 GB/s), one thread, beside
+//   Q4_0 ~13 in the same run (2026-12-07, load average 3.6): their fifth bits
+//   take 3 more vector instructions per 8 weights, and the decode, not the
+//   stream, bounds them. At 2048 x 640 (Gemma 3 270M's Q5_0 up): Q5_0 ~7.6,
+//   Q4_0 ~11.
 // python -m bench.micro.quant_bench has every shape and row count.
 //
 // Paths: AVX2 + FMA + F16C where the compiler targets them (-march=native),
@@ -172,6 +181,64 @@ struct Q4_1 {
   }
 #endif
 };
+
+// Q5_0 and Q5_1: Q4_0's and Q4_1's blocks with a fifth bit per weight: fp16
+// d, (Q5_1: fp16 m,) qh, a little-endian uint32 whose bit i is weight i's
+// fifth, then the 16 bytes of nibbles (weights 0-15 low, 16-31 high).
+// Q5_0: d (q - 16); Q5_1: d q + m.
+template <bool kMin>
+struct Q5 {
+  static constexpr int64_t kType = kMin ? 7 : 6, kQK = 32, kBytes = kMin ? 24 : 22;
+  static constexpr int kBias = kMin ? 0 : 16;
+  static constexpr bool kOffset = kMin, kFused = true, kHalfScales = false;
+  static constexpr int kQh = kMin ? 4 : 2, kQs = kQh + 4;  // where qh and the nibbles start
+  static void prep(const uint8_t* b, Prep& p) {
+    p.scale[0] = f16(b);
+    if constexpr (kMin)
+      p.offset[0] = p.fused[0] = f16(b + 2);
+    else
+      p.fused[0] = -16.0f * p.scale[0];
+  }
+  static void scalar(const uint8_t* b, float* y) {
+    const float d = f16(b);
+    uint32_t qh;
+    std::memcpy(&qh, b + kQh, 4);
+    const uint8_t* q = b + kQs;
+    for (int i = 0; i < 16; ++i) {
+      const int lo = (q[i] & 15) | ((qh >> i) & 1) << 4, hi = (q[i] >> 4) | ((qh >> (i + 16)) & 1) << 4;
+      if constexpr (kMin) {
+        const float m = f16(b + 2);
+        y[i] = d * static_cast<float>(lo) + m;
+        y[i + 16] = d * static_cast<float>(hi) + m;
+      } else {
+        y[i] = d * static_cast<float>(lo - 16);
+        y[i + 16] = d * static_cast<float>(hi - 16);
+      }
+    }
+  }
+#ifdef BS_QUANT_AVX2
+  // weights 8 v + j: bit 8 v + j of qh shifted to bit 4 by a variable shift
+  // per lane (of qh << 4 where the shift would be left, of qh for the top
+  // byte, whose bits qh << 4 has lost), or'd into the nibbles. qh broadcast
+  // from memory and shifted as a vector: ~8% faster than two broadcasts from
+  // a general register (g++'s choice for qh and qh << 4 computed as ints).
+  // Tried, slower (Q5_0 8192 x 2048, one x row, one thread: this 2.0 ms): the
+  // 32 codes built as bytes, qh spread to a byte mask (pshufb, cmpeq), then
+  // widened in registers (2.5 ms) or stored and reloaded by pmovzx (2.7 ms).
+  static __m256i codes8(const uint8_t* b, int, int v) {
+    const __m256i a = load8_u8(b + kQs + 8 * (v & 1));
+    const __m256i u = v < 2 ? low4(a) : _mm256_srli_epi32(a, 4);
+    int qh;
+    std::memcpy(&qh, b + kQh, 4);
+    const __m256i h = v < 3 ? _mm256_slli_epi32(_mm256_set1_epi32(qh), 4) : _mm256_set1_epi32(qh);
+    const int s = v < 3 ? 8 * v : 20;
+    const __m256i shift = _mm256_setr_epi32(s, s + 1, s + 2, s + 3, s + 4, s + 5, s + 6, s + 7);
+    return _mm256_or_si256(u, _mm256_and_si256(_mm256_srlv_epi32(h, shift), _mm256_set1_epi32(16)));
+  }
+#endif
+};
+using Q5_0 = Q5<false>;
+using Q5_1 = Q5<true>;
 
 struct Q8_0 {
   static constexpr int64_t kType = 8, kQK = 32, kBytes = 34;
@@ -442,13 +509,15 @@ auto dispatch(int64_t qtype, F&& f) {
   switch (qtype) {
     case Q4_0::kType: return f(Q4_0{});
     case Q4_1::kType: return f(Q4_1{});
+    case Q5_0::kType: return f(Q5_0{});
+    case Q5_1::kType: return f(Q5_1{});
     case Q8_0::kType: return f(Q8_0{});
     case Q4_K::kType: return f(Q4_K{});
     case Q5_K::kType: return f(Q5_K{});
     case Q6_K::kType: return f(Q6_K{});
   }
-  TORCH_CHECK_VALUE(false, "unsupported GGML type ", qtype, " (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, ",
-                    "Q5_K=13, Q6_K=14)");
+  TORCH_CHECK_VALUE(false, "unsupported GGML type ", qtype, " (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, ",
+                    "Q4_K=12, Q5_K=13, Q6_K=14)");
 }
 
 // The checks both ops make of a weight: its byte layout for K columns of `qtype`.

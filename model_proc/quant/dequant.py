@@ -33,6 +33,14 @@ def _nibbles(q: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.stack([q & 15, q >> 4], dim=dim)
 
 
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0's and Q5_1's qh [..., 4] (a little-endian uint32) -> [..., 32]
+    whose element i is bit i of it moved to bit 4: weight i's fifth bit, to or
+    into its nibble."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return (((qh.unsqueeze(-1) >> shifts) & 1) << 4).flatten(-2)
+
+
 def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The K-quants' 8 six-bit scales and mins from their 12 packed bytes [..., 12]."""
     d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
@@ -53,6 +61,14 @@ def dequantize_torch(blocks: torch.Tensor, qtype: GGMLType, k: int) -> torch.Ten
     elif qtype is GGMLType.Q4_1:
         d, m, q = _f16(b[..., 0:2]), _f16(b[..., 2:4]), _nibbles(b[..., 4:], -2).flatten(-2)
         y = d * q.float() + m
+    elif qtype in (GGMLType.Q5_0, GGMLType.Q5_1):  # weights 0-15: low nibbles, 16-31: high
+        h = 2 if qtype is GGMLType.Q5_0 else 4  # where qh lies (after d, Q5_1's m); the nibbles follow it
+        q = _nibbles(b[..., h + 4:], -2).flatten(-2) | _fifth_bits(b[..., h:h + 4])
+        d = _f16(b[..., 0:2])
+        if qtype is GGMLType.Q5_0:
+            y = d * (q.to(torch.int8) - 16).float()
+        else:
+            y = d * q.float() + _f16(b[..., 2:4])
     elif qtype is GGMLType.Q8_0:
         y = b[..., 2:].view(torch.int8).float() * _f16(b[..., 0:2])
     elif qtype in (GGMLType.Q4_K, GGMLType.Q5_K):

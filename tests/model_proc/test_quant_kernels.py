@@ -23,7 +23,7 @@ needs_op = pytest.mark.skipif(op is None, reason=f"native quant op not built: {n
 TYPES = sorted(SUPPORTED)
 N, K = 37, 512  # an odd row count (the gemv's tails), two K-quant blocks a row
 # gguf-py quantizes these (the K-quants it only dequantizes)
-QUANTIZABLE = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0}
+QUANTIZABLE = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0}
 
 
 def random_blocks(qtype: GGMLType, n: int, k: int, seed: int) -> np.ndarray:
@@ -84,6 +84,7 @@ def test_block_shapes_agree_with_gguf_py_and_the_native_op() -> None:
         if op is not None:
             assert tuple(op.block_shape(int(qtype))) == block_shape(qtype)
     assert row_bytes(GGMLType.Q4_K, 512) == 288 and row_bytes(GGMLType.Q8_0, 64) == 68
+    assert row_bytes(GGMLType.Q5_0, 640) == 440 and row_bytes(GGMLType.Q5_1, 64) == 48
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -138,7 +139,8 @@ def test_gemv_matches_the_float64_product(qtype: GGMLType, m: int, native_path: 
     assert_close_to_product(y, x, gguf_reference(raw, qtype))
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_K, GGMLType.Q6_K],
+                         ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("path", ["native", "torch"])
