@@ -1,11 +1,11 @@
 // Linear layers on GGUF-quantized weights with 8-bit activations: x's rows are
 // quantized once to int8 blocks of 32 (a float scale each), and each weight
 // block is dotted with them in integers, as llama.cpp's CPU matmuls do (its
-// Q8_0 / Q8_1 activations). quant.cpp's `gemv` keeps x in float32 and spends
-// ~16 instructions per 32 weights and x row dequantizing; here an x row costs
-// per 32 weights one unsigned-by-signed byte multiply-add (vpmaddubsw), one
-// widening pair add (vpmaddwd) and a share of a reduction, and a weight row
-// is unpacked to bytes once for all x rows. The result is not the float32
+// Q8_0 / Q8_1 activations). quant.cpp's `gemv` keeps x in float32: 4 float
+// FMAs per 32 weights and x row after a decode to floats; here 32 weights and
+// an x row take one unsigned-by-signed byte multiply-add (vpmaddubsw), one
+// widening pair add (vpmaddwd), one conversion and one FMA, after a cheaper
+// decode (to bytes, shared by 4 x rows). The result is not the float32
 // product: x is rounded to 8 bits (relative error ~1/254 of each block's
 // largest |x| per value, model_proc/quant/int8_act.py states the bound).
 //
@@ -19,32 +19,25 @@
 //
 // Weights: GGUF blocks as stored, uint8 [N, row_bytes] (rows may be strided,
 // a row's bytes contiguous), of Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12),
-// Q6_K (14). Each weight row is unpacked into a per-thread buffer (L1): its
-// codes as bytes in x's order (unsigned: Q4's nibbles, Q6_K's 6 bits; Q8_0
-// signed, with their magnitudes beside, for the sign trick), int16 scales per
-// 16 codes (K-quants: multiplied in during the pair add), the integer bias
-// per 16 (Q4_0's 8, Q6_K's 32 times its scale: subtracted through bsum), and
-// per block of 32 the float factor f of d_x and g of s.
+// Q6_K (14), never repacked. The AVX2 path decodes each block of 32 weights
+// into a register of 32 codes in x's order (unsigned: Q4's nibbles, Q6_K's 6
+// bits; Q8_0 signed, by the sign trick) and uses it for up to 4 x rows:
+// vpmaddubsw (codes x q, pairs to int16), vpmaddwd (pairs to int32, times
+// Q6_K's scale per 16), one conversion and one FMA by P = f * d_x per block
+// and row, f the block's float scale (Q4_K: d * sc); the offsets (Q4_0's
+// -8 d, Q4_1's m, Q4_K's -(dmin * mn)) once per 8 blocks through s, Q6_K's
+// -32 sc through bsum. The scalar path unpacks a row into a buffer and
+// follows the same order.
 //
-// What `gemv_q8` computes, the same in both paths (canonical order):
-//   per x row and group of 8 blocks (lane j = block 8 g + j):
-//     i_j  = sum_h sc_h (codes_h . q_h) - sum_h bias_h bsum_h   (int32, exact)
-//     acc_j = fma(f_j * d_j, float(i_j), acc_j)   (f_j * d_j rounded first)
-//     acc_j = fma(g_j, s_j, acc_j)                 (types with an offset)
-//   y = ((acc_0 + acc_4) + (acc_2 + acc_6)) + ((acc_1 + acc_5) + (acc_3 + acc_7))
-// with, per type (d, m, dmin, sc, mn as gguf-py reads them; codes unsigned):
-//   Q4_0: codes . q - 8 sum q, f = d;         Q4_1: codes . q, f = d, g = m
-//   Q8_0: codes . q (signed), f = d;          Q4_K: sc_j (codes . q), f = d, g = -(dmin * mn_j)
-//   Q6_K: sum of the two halves' sc_h (codes_h . q_h - 32 sum q_h), f = d
-// The integer sums cannot overflow or saturate for |q| <= 127 (vpmaddubsw's
+// The two paths make the same float operations in the same order (the
+// canonical order, written out before dot_scalar below); the integer sums cannot overflow or saturate for |q| <= 127 (vpmaddubsw's
 // pairs: Q8_0 2 * 128 * 127 = 32512 < 32767). So the AVX2 path and the scalar
 // one (compiled everywhere, selectable by set_simd(False)) agree bit for bit;
 // this file is built with -ffp-contract=off so that the scalar path's
 // multiplies and adds are not fused where the AVX2 one does not fuse them.
 //
 // Threads take contiguous ranges of weight rows (at::parallel_for); each
-// weight row is read from memory once, unpacked, and used for every x row
-// while it is in L1.
+// weight row is read from memory once and stays in L1 for every x row.
 
 #include <torch/extension.h>
 
@@ -162,36 +155,22 @@ void quantize_row_simd(const float* x, int64_t K, int64_t Kp, int8_t* q, float* 
 
 // ---------------------------------------------------------------- weights
 
-// A weight row unpacked for the dot products (one per thread, reused row after row).
-struct RowBuf {
-  std::vector<uint8_t> codes;    // [Kp]: codes in x's order (Q8_0: int8)
-  std::vector<uint8_t> mag;      // [Kp]: Q8_0's |codes|
-  std::vector<int16_t> sc;       // [Kp / 2]: K-quants' scales, 16 per block of 32 (8 each half's)
-  std::vector<int16_t> bias;     // [Kp / 16]: integer bias per 16 codes (times the scale)
-  std::vector<float> f, g;       // [Kp / 32]: factor of d_x, of s_x
-  explicit RowBuf(int64_t Kp)
-      : codes(Kp), mag(Kp), sc(Kp / 2), bias(Kp / 16), f(Kp / kBlock), g(Kp / kBlock) {}
-};
-
-// Each type: block shape; kSigned (Q8_0: signed codes, sign trick); kScaled
-// (int16 scales per 16 in sc); kBias (bias per 16 in bias); kOffset (g);
-// unpack(): block -> its codes (kQK bytes), sc, bias, f, g; unpack_simd():
-// the same codes with AVX2 (the floats and scales are the scalar ones).
+// Per block of 32 weights, what the dot product needs besides the codes:
+// f (times d_x: the block's weight scale), g (times s_x: the offset per unit
+// of x, Q4_0's -8 d, Q4_1's m, Q4_K's -(dmin mn)); int16 scales and biases
+// per 16 codes (Q6_K: sc and 32 sc). Each type: block shape; kSigned (Q8_0:
+// signed codes, the sign trick); kScaled (sc); kBias (bias, through bsum);
+// kOffset (g); unpack(): one block's codes in x's order (kQK bytes) and its
+// factors (the scalar path); the AVX2 path decodes a block of 32 in
+// registers (codes32) and takes the same factors (factors8: 8 blocks of 32).
 struct Q4_0 {
   static constexpr int64_t kType = 2, kQK = 32, kBytes = 18;
-  static constexpr bool kSigned = false, kScaled = false, kBias = true, kOffset = false;
-  static void unpack(const uint8_t* b, uint8_t* c, int16_t*, int16_t* bias, float* f, float*) {
+  static constexpr bool kSigned = false, kScaled = false, kBias = false, kOffset = true;
+  static void unpack(const uint8_t* b, uint8_t* c, int16_t*, int16_t*, float* f, float* g) {
     for (int i = 0; i < 16; ++i) c[i] = b[2 + i] & 15, c[i + 16] = b[2 + i] >> 4;
-    bias[0] = bias[1] = 8;
     f[0] = f16(b);
+    g[0] = -8.0f * f[0];
   }
-#ifdef BS_QDOT_AVX2
-  static void unpack_simd(const uint8_t* b, uint8_t* c) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)), lo4 = _mm_set1_epi8(15);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm_and_si128(v, lo4));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(c + 16), _mm_and_si128(_mm_srli_epi16(v, 4), lo4));
-  }
-#endif
 };
 
 struct Q4_1 {
@@ -202,9 +181,6 @@ struct Q4_1 {
     f[0] = f16(b);
     g[0] = f16(b + 2);
   }
-#ifdef BS_QDOT_AVX2
-  static void unpack_simd(const uint8_t* b, uint8_t* c) { Q4_0::unpack_simd(b + 2, c); }
-#endif
 };
 
 struct Q8_0 {
@@ -214,12 +190,9 @@ struct Q8_0 {
     std::memcpy(c, b + 2, 32);
     f[0] = f16(b);
   }
-#ifdef BS_QDOT_AVX2
-  static void unpack_simd(const uint8_t* b, uint8_t* c) { std::memcpy(c, b + 2, 32); }
-#endif
 };
 
-// The K-quants' eight 6-bit scales and mins from their 12 packed bytes (as quant.cpp)
+// The K-quants' eight 6-bit scales and mins from their 12 packed bytes
 inline void k4_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
   for (int j = 0; j < 4; ++j) {
     sc[j] = s[j] & 63;
@@ -231,36 +204,26 @@ inline void k4_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
 
 // Q4_K: 256 weights; fp16 d, dmin; 12 bytes of scales/mins; 128 of nibbles:
 // sub-block j is the low (j even) or high nibbles of bytes [32 (j / 2), +32).
+// f = d * sc (gguf-py's scale), g = -(dmin * mn).
 struct Q4_K {
   static constexpr int64_t kType = 12, kQK = 256, kBytes = 144;
-  static constexpr bool kSigned = false, kScaled = true, kBias = false, kOffset = true;
-  static void unpack(const uint8_t* b, uint8_t* c, int16_t* sc16, int16_t*, float* f, float* g) {
+  static constexpr bool kSigned = false, kScaled = false, kBias = false, kOffset = true;
+  static void unpack(const uint8_t* b, uint8_t* c, int16_t*, int16_t*, float* f, float* g) {
     const float d = f16(b), dmin = f16(b + 2);
     uint8_t sc[8], mn[8];
     k4_scales(b + 4, sc, mn);
     for (int j = 0; j < 8; ++j) {
       for (int i = 0; i < 32; ++i) c[32 * j + i] = (b[16 + 32 * (j / 2) + i] >> (4 * (j & 1))) & 15;
-      for (int i = 0; i < 16; ++i) sc16[16 * j + i] = sc[j];
-      f[j] = d;
+      f[j] = d * static_cast<float>(sc[j]);
       g[j] = -(dmin * static_cast<float>(mn[j]));
     }
   }
-#ifdef BS_QDOT_AVX2
-  static void unpack_simd(const uint8_t* b, uint8_t* c) {
-    const __m256i lo4 = _mm256_set1_epi8(15);
-    for (int p = 0; p < 4; ++p) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * p));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 64 * p), _mm256_and_si256(v, lo4));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 64 * p + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4));
-    }
-  }
-#endif
 };
 
 // Q6_K: 256 weights; 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8
 // scales (one per 16), fp16 d last. Block of 32 number c = 4 h + s takes the
 // low (s < 2) or high nibbles of ql[64 h + 32 (s & 1) ...] and bits 2 s.. of
-// qh[32 h ...]; the weight is d sc (code - 32).
+// qh[32 h ...]; the weight is d sc (code - 32). f = d.
 struct Q6_K {
   static constexpr int64_t kType = 14, kQK = 256, kBytes = 210;
   static constexpr bool kSigned = false, kScaled = true, kBias = true, kOffset = false;
@@ -274,127 +237,81 @@ struct Q6_K {
       f[cc] = d;
     }
     for (int i = 0; i < 16; ++i) {
-      const int sc = static_cast<int8_t>(b[192 + i]);
-      for (int r = 0; r < 8; ++r) sc16[8 * i + r] = static_cast<int16_t>(sc);
-      bias[i] = static_cast<int16_t>(32 * sc);
+      sc16[i] = static_cast<int8_t>(b[192 + i]);
+      bias[i] = static_cast<int16_t>(32 * sc16[i]);
     }
   }
-#ifdef BS_QDOT_AVX2
-  static void unpack_simd(const uint8_t* b, uint8_t* c) {
-    const __m256i lo4 = _mm256_set1_epi8(15), hi2 = _mm256_set1_epi8(0x30);
-    for (int h = 0; h < 2; ++h) {
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-      const __m256i out[4] = {
-          _mm256_or_si256(_mm256_and_si256(l0, lo4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), hi2)),
-          _mm256_or_si256(_mm256_and_si256(l1, lo4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), hi2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), lo4), _mm256_and_si256(qh, hi2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), lo4),
-                          _mm256_and_si256(_mm256_srli_epi16(qh, 2), hi2))};
-      for (int s = 0; s < 4; ++s) _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 128 * h + 32 * s), out[s]);
-    }
-  }
-#endif
 };
 
-// Weight row w (blocks_per_row blocks) into buf; the padding past K stays as
-// the buffer was made (zeros: no row writes there).
-template <class T>
-void unpack_row(const uint8_t* w, int64_t blocks_per_row, RowBuf& buf, bool simd) {
-  constexpr int64_t kBlocks32 = T::kQK / kBlock;
-  for (int64_t blk = 0; blk < blocks_per_row; ++blk) {
-    const uint8_t* b = w + blk * T::kBytes;
-    uint8_t* c = buf.codes.data() + blk * T::kQK;
-    T::unpack(b, c, buf.sc.data() + blk * T::kQK / 2, buf.bias.data() + blk * T::kQK / 16,
-              buf.f.data() + blk * kBlocks32, buf.g.data() + blk * kBlocks32);
-    (void)simd;
-  }
-}
-
-#ifdef BS_QDOT_AVX2
-// The floats and scales as unpack() makes them, the codes by unpack_simd()
-// (g++ turns the scalar nibble loops into byte-at-a-time code).
-template <class T>
-void unpack_row_simd(const uint8_t* w, int64_t blocks_per_row, RowBuf& buf) {
-  constexpr int64_t kBlocks32 = T::kQK / kBlock;
-  for (int64_t blk = 0; blk < blocks_per_row; ++blk) {
-    const uint8_t* b = w + blk * T::kBytes;
-    uint8_t* c = buf.codes.data() + blk * T::kQK;
-    T::unpack_simd(b, c);
-    float* f = buf.f.data() + blk * kBlocks32;
-    float* g = buf.g.data() + blk * kBlocks32;
-    if constexpr (T::kType == Q4_0::kType || T::kType == Q8_0::kType) {
-      f[0] = f16(b);
-    } else if constexpr (T::kType == Q4_1::kType) {
-      f[0] = f16(b);
-      g[0] = f16(b + 2);
-    } else if constexpr (T::kType == Q4_K::kType) {
-      const float d = f16(b), dmin = f16(b + 2);
-      uint8_t sc[8], mn[8];
-      k4_scales(b + 4, sc, mn);
-      int16_t* sc16 = buf.sc.data() + blk * 128;
-      for (int j = 0; j < 8; ++j) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc16 + 16 * j), _mm256_set1_epi16(sc[j]));
-        f[j] = d;
-        g[j] = -(dmin * static_cast<float>(mn[j]));
-      }
-    } else {  // Q6_K
-      const float d = f16(b + 208);
-      for (int j = 0; j < 8; ++j) f[j] = d;
-      const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.bias.data() + blk * 16), _mm256_slli_epi16(sc, 5));
-      // each scale 8 times: int16 i of block c's 16 is scale 2 c + i / 8
-      int16_t* sc16 = buf.sc.data() + blk * 128;
-      alignas(32) int16_t all[16];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(all), sc);
-      for (int i = 0; i < 16; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(sc16 + 8 * i), _mm_set1_epi16(all[i]));
-    }
-  }
-  if constexpr (T::kSigned) {
-    const int64_t K = blocks_per_row * T::kQK;
-    for (int64_t i = 0; i < K; i += 32) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(buf.codes.data() + i));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.mag.data() + i), _mm256_abs_epi8(v));
-    }
-  }
-  if constexpr (T::kType == Q4_0::kType) {  // the constant bias, per 16
-    for (int64_t i = 0; i < blocks_per_row * 2; ++i) buf.bias[i] = 8;
-  }
-}
-#endif
-
 // ---------------------------------------------------------------- dot products
+//
+// The canonical order, per x row, over groups of 8 blocks of 32 (256 values;
+// a row's last group may hold fewer weight blocks, nv): two sets of 8 float
+// lanes, A_l and B_l (two chains of FMAs: one would wait on its latency);
+//   for each block j < nv of the group, P_j = f_j * d_j (rounded), and for
+//   each lane l, I_jl = the integer dot of the block's codes 4l..4l+3 with q's
+//   (times their half's sc): X_l = fma(P_j, float(I_jl), X_l), X = A for
+//   even j, B for odd j;
+//   then for each lane l (block l of the group; f = g = 0 past nv):
+//     offset types: A_l = fma(g_l, s_l, A_l);
+//     bias types:   A_l = fma(-P_l, float(sum over l's halves h of bias_h bsum_h), A_l);
+// acc_l = A_l + B_l; y = ((acc_0 + acc_4) + (acc_2 + acc_6)) + ((acc_1 + acc_5) + (acc_3 + acc_7)).
+// That is where vpmaddubsw/vpmaddwd leave each product (int32 lane l of a
+// block holds its bytes 4l..4l+3), so the AVX2 path needs no horizontal
+// integer sum per block.
 
-// The canonical final sum of 8 lanes (as the AVX2 hsum does it)
+// A weight row unpacked for the scalar path (one per thread, reused row after row).
+struct RowBuf {
+  std::vector<uint8_t> codes;    // [Kp]: codes in x's order (Q8_0: int8)
+  std::vector<int16_t> sc;       // [Kp / 16]: Q6_K's scale per 16 codes
+  std::vector<int16_t> bias;     // [Kp / 16]: Q6_K's 32 sc per 16 codes
+  std::vector<float> f, g;       // [Kp / 32]: factor of d_x, of s_x (0 past K)
+  explicit RowBuf(int64_t Kp) : codes(Kp), sc(Kp / 16), bias(Kp / 16), f(Kp / kBlock), g(Kp / kBlock) {}
+};
+
 inline float hsum8(const float a[8]) {
   const float t0 = a[0] + a[4], t1 = a[1] + a[5], t2 = a[2] + a[6], t3 = a[3] + a[7];
   return (t0 + t2) + (t1 + t3);
 }
 
 template <class T>
-float dot_scalar(const RowBuf& buf, int64_t groups, const int8_t* q, const float* d, const float* s,
+void unpack_row(const uint8_t* w, int64_t blocks_per_row, RowBuf& buf) {
+  constexpr int64_t kBlocks32 = T::kQK / kBlock;
+  for (int64_t blk = 0; blk < blocks_per_row; ++blk)
+    T::unpack(w + blk * T::kBytes, buf.codes.data() + blk * T::kQK, buf.sc.data() + blk * T::kQK / 16,
+              buf.bias.data() + blk * T::kQK / 16, buf.f.data() + blk * kBlocks32, buf.g.data() + blk * kBlocks32);
+}
+
+template <class T>
+float dot_scalar(const RowBuf& buf, int64_t nblk, int64_t groups, const int8_t* q, const float* d, const float* s,
                  const int16_t* bs) {
-  float acc[8] = {};
+  float acc[8] = {}, odd[8] = {};
   for (int64_t gi = 0; gi < groups; ++gi) {
-    for (int j = 0; j < 8; ++j) {
-      const int64_t c = 8 * gi + j;  // block of 32
-      int32_t isum = 0;
-      for (int h = 0; h < 2; ++h) {
-        const int64_t o = 32 * c + 16 * h;
+    float P[8];
+    for (int l = 0; l < 8; ++l) P[l] = buf.f[8 * gi + l] * d[8 * gi + l];
+    for (int j = 0; j < 8 && 8 * gi + j < nblk; ++j) {
+      const int64_t c = 8 * gi + j;
+      for (int l = 0; l < 8; ++l) {
         int32_t part = 0;
-        for (int i = 0; i < 16; ++i) {
-          const int32_t wc = T::kSigned ? static_cast<int8_t>(buf.codes[o + i]) : buf.codes[o + i];
-          part += wc * q[o + i];
+        for (int i = 4 * l; i < 4 * l + 4; ++i) {
+          const int32_t wc = T::kSigned ? static_cast<int8_t>(buf.codes[32 * c + i]) : buf.codes[32 * c + i];
+          part += wc * q[32 * c + i];
         }
-        isum += (T::kScaled ? buf.sc[16 * c + 8 * h] : 1) * part;
-        if constexpr (T::kBias) isum -= buf.bias[2 * c + h] * bs[2 * c + h];
+        if constexpr (T::kScaled) part *= buf.sc[2 * c + l / 4];
+        float& a = j & 1 ? odd[l] : acc[l];
+        a = std::fma(P[j], static_cast<float>(part), a);
       }
-      const float prod = buf.f[c] * d[c];
-      acc[j] = std::fma(prod, static_cast<float>(isum), acc[j]);
-      if constexpr (T::kOffset) acc[j] = std::fma(buf.g[c], s[c], acc[j]);
+    }
+    for (int l = 0; l < 8; ++l) {
+      const int64_t c = 8 * gi + l;
+      if constexpr (T::kOffset) acc[l] = std::fma(buf.g[c], s[c], acc[l]);
+      if constexpr (T::kBias) {
+        const int32_t b = buf.bias[2 * c] * bs[2 * c] + buf.bias[2 * c + 1] * bs[2 * c + 1];
+        acc[l] = std::fma(-P[l], static_cast<float>(b), acc[l]);
+      }
     }
   }
+  for (int l = 0; l < 8; ++l) acc[l] += odd[l];
   return hsum8(acc);
 }
 
@@ -405,51 +322,151 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-// 8 vectors of 8 int32 -> one: lane j = the sum of v[j]'s lanes
-inline __m256i reduce8(const __m256i v[8]) {
-  const __m256i a01 = _mm256_hadd_epi32(v[0], v[1]), a23 = _mm256_hadd_epi32(v[2], v[3]);
-  const __m256i a45 = _mm256_hadd_epi32(v[4], v[5]), a67 = _mm256_hadd_epi32(v[6], v[7]);
-  const __m256i b = _mm256_hadd_epi32(a01, a23);  // [v0..v3 lanes 0-3 | v0..v3 lanes 4-7]
-  const __m256i c = _mm256_hadd_epi32(a45, a67);
-  return _mm256_add_epi32(_mm256_permute2x128_si256(b, c, 0x21), _mm256_blend_epi32(b, c, 0xF0));
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 8 fp16 at p, p + stride, ... (the first nv; zeros after) as float32
+inline __m256 f16x8(const uint8_t* p, int64_t stride, int nv) {
+  uint16_t h[8];
+  for (int j = 0; j < 8; ++j) {
+    h[j] = 0;
+    if (j < nv) std::memcpy(&h[j], p + j * stride, 2);
+  }
+  return _mm256_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
 }
 
+// A group of 8 blocks of 32 as the AVX2 path takes it: f, g (floats a lane
+// per block) and, per block, its 32 codes (code()) and int16 scales (Q6_K).
+struct Group {
+  __m256 f, g;
+  __m256i bias;               // Q6_K: 32 sc, per 16
+  alignas(32) int16_t sc[16];  // Q6_K: sc per 16
+};
+
 template <class T>
-inline __m256i block_dot(const RowBuf& buf, int64_t c, const int8_t* q) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c));
-  __m256i p;
-  if constexpr (T::kSigned) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(buf.codes.data() + 32 * c));
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(buf.mag.data() + 32 * c));
-    p = _mm256_maddubs_epi16(a, _mm256_sign_epi8(x, w));
+inline void group_factors(const uint8_t* w, int64_t gi, int nv, Group& gr) {
+  if constexpr (T::kQK == 32) {
+    const uint8_t* b = w + 8 * gi * T::kBytes;
+    gr.f = f16x8(b, T::kBytes, nv);
+    if constexpr (T::kType == Q4_0::kType) gr.g = _mm256_mul_ps(_mm256_set1_ps(-8.0f), gr.f);
+    if constexpr (T::kType == Q4_1::kType) gr.g = f16x8(b + 2, T::kBytes, nv);
   } else {
-    p = _mm256_maddubs_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(buf.codes.data() + 32 * c)), x);
+    const uint8_t* b = w + gi * T::kBytes;
+    if constexpr (T::kType == Q4_K::kType) {
+      uint8_t sc[8], mn[8];
+      k4_scales(b + 4, sc, mn);
+      const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+      const __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn))));
+      gr.f = _mm256_mul_ps(_mm256_set1_ps(f16(b)), scf);
+      gr.g = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), mnf), _mm256_set1_ps(-0.0f));
+    } else {  // Q6_K
+      gr.f = _mm256_set1_ps(f16(b + 208));
+      const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(gr.sc), sc);
+      gr.bias = _mm256_slli_epi16(sc, 5);
+    }
   }
-  // int16 lanes 0-7: the first 16 codes, 8-15: the second; pairs summed to int32 (times the scales)
-  if constexpr (T::kScaled)
-    return _mm256_madd_epi16(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(buf.sc.data() + 16 * c)));
-  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
+// Block j of group gi: its 32 codes in x's order
 template <class T>
-float dot_simd(const RowBuf& buf, int64_t groups, const int8_t* q, const float* d, const float* s,
-               const int16_t* bs) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t gi = 0; gi < groups; ++gi) {
-    __m256i v[8];
-    for (int j = 0; j < 8; ++j) v[j] = block_dot<T>(buf, 8 * gi + j, q);
-    __m256i isum = reduce8(v);
-    if constexpr (T::kBias) {
-      const __m256i b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(buf.bias.data() + 16 * gi));
-      const __m256i x16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 16 * gi));
-      isum = _mm256_sub_epi32(isum, _mm256_madd_epi16(b16, x16));
-    }
-    const __m256 prod = _mm256_mul_ps(_mm256_loadu_ps(buf.f.data() + 8 * gi), _mm256_loadu_ps(d + 8 * gi));
-    acc = _mm256_fmadd_ps(prod, _mm256_cvtepi32_ps(isum), acc);
-    if constexpr (T::kOffset)
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(buf.g.data() + 8 * gi), _mm256_loadu_ps(s + 8 * gi), acc);
+inline __m256i codes32(const uint8_t* w, int64_t gi, int j) {
+  const __m256i lo4 = _mm256_set1_epi8(15);
+  if constexpr (T::kType == Q4_0::kType || T::kType == Q4_1::kType) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (8 * gi + j) * T::kBytes + T::kBytes - 16));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), lo4);
+  } else if constexpr (T::kType == Q8_0::kType) {
+    return load256(w + (8 * gi + j) * T::kBytes + 2);
+  } else if constexpr (T::kType == Q4_K::kType) {
+    const __m256i v = load256(w + gi * T::kBytes + 16 + 32 * (j / 2));
+    return _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, lo4);
+  } else {  // Q6_K
+    const uint8_t* b = w + gi * T::kBytes;
+    const int h = j / 4, s = j % 4;
+    const __m256i l = load256(b + 64 * h + 32 * (s & 1)), qh = load256(b + 128 + 32 * h);
+    const __m256i low = _mm256_and_si256(s >> 1 ? _mm256_srli_epi16(l, 4) : l, lo4);
+    const __m256i high = s == 0 ? _mm256_slli_epi16(qh, 4)
+                       : s == 1 ? _mm256_slli_epi16(qh, 2)
+                       : s == 2 ? qh
+                                : _mm256_srli_epi16(qh, 2);
+    return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
   }
-  return hsum(acc);
+}
+
+// Block j of group gi against MR x rows, into acc (A or B by j's parity: the caller's choice)
+template <class T, int MR>
+__attribute__((always_inline)) inline void block_step(const uint8_t* w, int64_t gi, int j, const Group& gr,
+                                                      const int8_t* q, int64_t ldq, const float (*P)[8],
+                                                      __m256 (&acc)[MR]) {
+  const __m256i wv = codes32<T>(w, gi, j);
+  __m256i mag, sc;
+  if constexpr (T::kSigned) mag = _mm256_abs_epi8(wv);
+  if constexpr (T::kScaled)
+    sc = _mm256_set_m128i(_mm_set1_epi16(gr.sc[2 * j + 1]), _mm_set1_epi16(gr.sc[2 * j]));
+  else
+    sc = _mm256_set1_epi16(1);
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) {
+    const __m256i x = load256(q + m * ldq + 32 * (8 * gi + j));
+    const __m256i p = T::kSigned ? _mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, wv)) : _mm256_maddubs_epi16(wv, x);
+    acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(&P[m][j]), _mm256_cvtepi32_ps(_mm256_madd_epi16(p, sc)), acc[m]);
+  }
+}
+
+// y[m * ldy] = weight row w . x row m for MR x rows (q ldq bytes apart; d, s
+// lds floats apart; bsum ldb int16 apart); nblk blocks of 32 in the row.
+template <class T, int MR>
+void tile_simd(const uint8_t* w, int64_t nblk, const int8_t* q, int64_t ldq, const float* d, const float* s,
+               int64_t lds, const int16_t* bs, int64_t ldb, float* y, int64_t ldy) {
+  __m256 acc[MR], odd[MR];  // A and B: even blocks, odd ones
+  for (int m = 0; m < MR; ++m) acc[m] = odd[m] = _mm256_setzero_ps();
+  const int64_t groups = (nblk + 7) / 8;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    const int nv = static_cast<int>(std::min<int64_t>(8, nblk - 8 * gi));
+    Group gr;
+    group_factors<T>(w, gi, nv, gr);
+    alignas(32) float P[MR][8];
+    for (int m = 0; m < MR; ++m) _mm256_store_ps(P[m], _mm256_mul_ps(gr.f, _mm256_loadu_ps(d + m * lds + 8 * gi)));
+    if (nv == 8) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 8; j += 2) {
+        block_step<T, MR>(w, gi, j, gr, q, ldq, P, acc);
+        block_step<T, MR>(w, gi, j + 1, gr, q, ldq, P, odd);
+      }
+    } else {
+      for (int j = 0; j < nv; j += 2) {
+        block_step<T, MR>(w, gi, j, gr, q, ldq, P, acc);
+        if (j + 1 < nv) block_step<T, MR>(w, gi, j + 1, gr, q, ldq, P, odd);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      if constexpr (T::kOffset) acc[m] = _mm256_fmadd_ps(gr.g, _mm256_loadu_ps(s + m * lds + 8 * gi), acc[m]);
+      if constexpr (T::kBias) {
+        const __m256i b = _mm256_madd_epi16(gr.bias, load256(bs + m * ldb + 16 * gi));
+        acc[m] = _mm256_fnmadd_ps(_mm256_load_ps(P[m]), _mm256_cvtepi32_ps(b), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) y[m * ldy] = hsum(_mm256_add_ps(acc[m], odd[m]));
+}
+
+constexpr int kTileRows = 4;  // x rows per pass over a weight row: 8 accumulators
+
+template <class T>
+void rows_simd(const uint8_t* w, int64_t nblk, int64_t M, const int8_t* q, const float* d, const float* s,
+               const int16_t* bs, int64_t Kp, float* y, int64_t N) {
+  const int64_t lds = Kp / kBlock, ldb = Kp / 16;
+  for (int64_t m = 0; m < M; m += kTileRows) {
+    const int8_t* qm = q + m * Kp;
+    const float *dm = d + m * lds, *sm = s + m * lds;
+    const int16_t* bm = bs + m * ldb;
+    float* ym = y + m * N;
+    switch (std::min<int64_t>(M - m, kTileRows)) {
+      case 1: tile_simd<T, 1>(w, nblk, qm, Kp, dm, sm, lds, bm, ldb, ym, N); break;
+      case 2: tile_simd<T, 2>(w, nblk, qm, Kp, dm, sm, lds, bm, ldb, ym, N); break;
+      case 3: tile_simd<T, 3>(w, nblk, qm, Kp, dm, sm, lds, bm, ldb, ym, N); break;
+      default: tile_simd<T, kTileRows>(w, nblk, qm, Kp, dm, sm, lds, bm, ldb, ym, N); break;
+    }
+  }
 }
 #endif
 
@@ -528,22 +545,19 @@ at::Tensor gemv_q8(const at::Tensor& q, const at::Tensor& d, const at::Tensor& s
     const int16_t* bp = bs.data_ptr<int16_t>();
     float* yp = y.data_ptr<float>();
     const bool simd = use_simd();
+    const int64_t nblk = k / kBlock;
     at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+#ifdef BS_QDOT_AVX2
+      if (simd) {
+        for (int64_t n = n0; n < n1; ++n) rows_simd<T>(w + n * ldw, nblk, M, qp, dp, sp, bp, Kp, yp + n, N);
+        return;
+      }
+#endif
       RowBuf buf(Kp);
       for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* wn = w + n * ldw;
-#ifdef BS_QDOT_AVX2
-        if (simd) {
-          unpack_row_simd<T>(wn, blocks_per_row, buf);
-          for (int64_t m = 0; m < M; ++m)
-            yp[m * N + n] = dot_simd<T>(buf, groups, qp + m * Kp, dp + m * Kp / kBlock, sp + m * Kp / kBlock,
-                                        bp + m * Kp / 16);
-          continue;
-        }
-#endif
-        unpack_row<T>(wn, blocks_per_row, buf, simd);
+        unpack_row<T>(w + n * ldw, blocks_per_row, buf);
         for (int64_t m = 0; m < M; ++m)
-          yp[m * N + n] = dot_scalar<T>(buf, groups, qp + m * Kp, dp + m * Kp / kBlock, sp + m * Kp / kBlock,
+          yp[m * N + n] = dot_scalar<T>(buf, nblk, groups, qp + m * Kp, dp + m * Kp / kBlock, sp + m * Kp / kBlock,
                                         bp + m * Kp / 16);
       }
     });
