@@ -192,14 +192,19 @@ struct Q8_0 {
   }
 };
 
-// The K-quants' eight 6-bit scales and mins from their 12 packed bytes
+// The K-quants' eight 6-bit scales and mins from their 12 packed bytes:
+// scales 0-3 and mins 0-3 are the low 6 bits of bytes 0-3 and 4-7; scales
+// and mins 4-7 the low and high nibbles of bytes 8-11 with the top 2 bits of
+// bytes 0-3 and 4-7 above them. Four at a time in 32-bit words.
 inline void k4_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63;
-    mn[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
-    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
+  uint32_t a, b, c;
+  std::memcpy(&a, s, 4);
+  std::memcpy(&b, s + 4, 4);
+  std::memcpy(&c, s + 8, 4);
+  const uint32_t out[4] = {a & 0x3f3f3f3f, (c & 0x0f0f0f0f) | ((a >> 2) & 0x30303030),
+                           b & 0x3f3f3f3f, ((c >> 4) & 0x0f0f0f0f) | ((b >> 2) & 0x30303030)};
+  std::memcpy(sc, out, 8);
+  std::memcpy(mn, out + 2, 8);
 }
 
 // Q4_K: 256 weights; fp16 d, dmin; 12 bytes of scales/mins; 128 of nibbles:
@@ -375,8 +380,8 @@ inline __m256 f16x8_pairs(const uint8_t* p) {
 // per block) and, per block, its 32 codes (code()) and int16 scales (Q6_K).
 struct Group {
   __m256 f, g;
-  __m256i bias;               // Q6_K: 32 sc, per 16
-  alignas(32) int16_t sc[16];  // Q6_K: sc per 16
+  __m256i bias;  // Q6_K: 32 sc, per 16
+  __m128i sc8;   // Q6_K: the 16 int8 scales
 };
 
 template <class T>
@@ -397,9 +402,8 @@ inline void group_factors(const uint8_t* w, int64_t gi, int nv, Group& gr) {
       gr.g = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), mnf), _mm256_set1_ps(-0.0f));
     } else {  // Q6_K
       gr.f = _mm256_set1_ps(f16(b + 208));
-      const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(gr.sc), sc);
-      gr.bias = _mm256_slli_epi16(sc, 5);
+      gr.sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+      gr.bias = _mm256_slli_epi16(_mm256_cvtepi8_epi16(gr.sc8), 5);
     }
   }
 }
@@ -429,6 +433,15 @@ inline __m256i codes32(const uint8_t* w, int64_t gi, int j) {
   }
 }
 
+struct ScalePairs {  // vpshufb's controls: byte 2 j eight times, then byte 2 j + 1 eight times
+  alignas(16) int8_t c[8][16];
+  constexpr ScalePairs() : c{} {
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 16; ++i) c[j][i] = static_cast<int8_t>(2 * j + i / 8);
+  }
+};
+constexpr ScalePairs kScalePairs{};
+
 // Block j of group gi against MR x rows, into acc (A or B by j's parity: the caller's choice)
 template <class T, int MR>
 __attribute__((always_inline)) inline void block_step(const uint8_t* w, int64_t gi, int j, const Group& gr,
@@ -437,8 +450,8 @@ __attribute__((always_inline)) inline void block_step(const uint8_t* w, int64_t 
   const __m256i wv = codes32<T>(w, gi, j);
   __m256i mag, sc;
   if constexpr (T::kSigned) mag = _mm256_abs_epi8(wv);
-  if constexpr (T::kScaled)
-    sc = _mm256_set_m128i(_mm_set1_epi16(gr.sc[2 * j + 1]), _mm_set1_epi16(gr.sc[2 * j]));
+  if constexpr (T::kScaled)  // int16 lanes 0-7: scale 2 j, 8-15: scale 2 j + 1
+    sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(gr.sc8, _mm_loadu_si128(reinterpret_cast<const __m128i*>(kScalePairs.c[j]))));
   else
     sc = _mm256_set1_epi16(1);
 #pragma GCC unroll 4
