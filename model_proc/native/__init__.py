@@ -4,7 +4,8 @@ afterwards (ninja rebuilds only when the source or flags change):
 
 - `attention` (attention.cpp): decode and extend attention over the paged pool;
 - `layers` (layers.cpp): the bfloat16 matmuls with their epilogues, RMSNorm, rotary;
-- `quant` (quant.cpp): matmuls on GGUF-quantized weight blocks (model_proc/quant/).
+- `quant` (quant.cpp): matmuls on GGUF-quantized weight blocks (model_proc/quant/);
+- `quant_dot` (quant_dot.cpp): the same with x quantized to 8-bit blocks, integer dot products.
 
 `load(name)` returns the compiled module, or None when it cannot be built
 (no compiler, a failed build, not a CPU build of torch...); the reason is
@@ -30,13 +31,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODULES = ("attention", "layers", "quant")
+MODULES = ("attention", "layers", "quant", "quant_dot")
 CFLAGS = ["-O3", "-fopenmp", "-march=native", "-std=c++17"]
 # a module's own flags besides: quant's dequantization equals gguf-py's bit for bit,
 # which needs each float32 multiply and add rounded apart (g++ fuses them by default)
-MODULE_CFLAGS = {"quant": ["-ffp-contract=off"]}
+# (quant_dot: its AVX2 and scalar paths agree bit for bit, the same float ops in the same order)
+MODULE_CFLAGS = {"quant": ["-ffp-contract=off"], "quant_dot": ["-ffp-contract=off"]}
 # what each module is for, in its log lines
-PURPOSE = {"attention": "native attention op", "layers": "native layer ops", "quant": "native quantized matmul"}
+PURPOSE = {"attention": "native attention op", "layers": "native layer ops", "quant": "native quantized matmul",
+           "quant_dot": "native 8-bit-activation quantized matmul"}
 
 _modules: dict[str, ModuleType] = {}
 _failures: dict[str, str] = {}

@@ -17,8 +17,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model_proc.quant import int8_act
 from model_proc.quant.ggml_types import GGMLType, block_shape, row_bytes
 from model_proc.quant.matmul import dequantize, quant_matmul
+
+# Up to this many rows x is rounded to 8-bit blocks once and every segment
+# dotted with it in integers (int8_act.py, as llama.cpp and vLLM's GGUF
+# kernels do): faster than the float gemv and the dequantized tiles at 1-32
+# rows on a 1B model's shapes (python -m bench.micro.quant_bench --paths gemv
+# tiles q8). Above, and for a type without such a kernel, the float32 product.
+Q8_MAX_ROWS = 32
+# switch for tests and benchmarks: False keeps every product in float32
+use_q8_activations = True
 
 
 @dataclass(frozen=True)
@@ -110,8 +120,13 @@ class QuantWeight:
         return QuantWeight(self.segments, self.in_features, scale.float())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """(x * input_scale) @ W.T in float32: x [M, K] -> [M, N]."""
+        """(x * input_scale) @ W.T in float32: x [M, K] -> [M, N] (x rounded to
+        8-bit blocks first up to Q8_MAX_ROWS rows, see use_q8_activations)."""
         x = x.float() if self.input_scale is None else x.float() * self.input_scale
+        if use_q8_activations and x.shape[0] <= Q8_MAX_ROWS and self._q8_ready():
+            rows = int8_act.quantize_rows(x)  # once, for every segment
+            parts = [int8_act.matmul_q8(rows, s.blocks, s.qtype) for s in self.segments]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
         if len(self.segments) == 1:
             s = self.segments[0]
             return quant_matmul(x, s.blocks, s.qtype, self.in_features)
@@ -121,6 +136,9 @@ class QuantWeight:
             out[:, at:at + s.rows] = quant_matmul(x, s.blocks, s.qtype, self.in_features)
             at += s.rows
         return out
+
+    def _q8_ready(self) -> bool:
+        return all(int8_act.available(s.qtype) for s in self.segments)
 
     def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
         """float32 rows of W (an embedding lookup), input scale not applied."""

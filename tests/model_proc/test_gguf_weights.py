@@ -15,12 +15,16 @@ from common.server_args import ServerArgs, default_model_path
 from model_proc.layers import Linear, MatmulKernel
 from model_proc.quant.ggml_types import GGMLType
 from model_proc.quant.gguf_weights import GGUFWeights, llama_qk_order
+from model_proc.quant import int8_act, weight
 from model_proc.quant.weight import QuantWeight
 from model_proc.runner import ModelRunner
 from model_proc.weights import CheckpointReader, load_state_dict
 from tests.helpers import RunnerDriver, make_tiny_llama
 
 PROMPT, ANSWER = [5, 9, 200, 3, 77, 41, 8], [4, 99, 250, 7]
+# KL(float32 || 8-bit activations) per position on the default model and these
+# random-token prompts: measured 1e-4 to 0.014 nats (a broken kernel gives > 1)
+Q8_MAX_KL = 0.05
 
 
 def test_every_quantized_tensor_of_the_default_model_dequantizes_to_transformers_float(default_model_dir):
@@ -50,7 +54,7 @@ def _blocks_of(w: torch.Tensor, qtype: str) -> QuantWeight:
     return QuantWeight.of(GGMLType[qtype], torch.from_numpy(data), w.shape[1])
 
 
-def test_slices_and_stacks_of_blocks_are_the_slices_and_stacks_of_their_floats():
+def test_slices_and_stacks_of_blocks_are_the_slices_and_stacks_of_their_floats(monkeypatch):
     g = torch.Generator().manual_seed(0)
     a = _blocks_of(torch.randn(48, 128, generator=g), "Q4_0")
     b = _blocks_of(torch.randn(16, 128, generator=g), "Q8_0")
@@ -63,30 +67,46 @@ def test_slices_and_stacks_of_blocks_are_the_slices_and_stacks_of_their_floats()
     assert torch.equal(a.take_rows(torch.tensor([3, 0, 47])).dequantize(), fa[[3, 0, 47]])
     x = torch.randn(3, 128, generator=g)
     scale = torch.rand(128, generator=g) + 0.5
-    ref = (x.double() * scale.double()) @ torch.cat([fa, fb, fa[:8]]).double().T
+    w = torch.cat([fa, fb, fa[:8]]).double()
+    ref = (x.double() * scale.double()) @ w.T
+    monkeypatch.setattr(weight, "use_q8_activations", False)  # the float32 product
     got = both.scaled_input(scale).matmul(x)
     assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+    # 8-bit activations: the product with the scaled x as int8_act rounds it, across the segments
+    monkeypatch.setattr(weight, "use_q8_activations", True)
+    rounded = int8_act.quantize_rows((x * scale).float()).dequantize().double()
+    got = both.scaled_input(scale).matmul(x)
+    assert torch.allclose(got.double(), rounded @ w.T, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
     with pytest.raises(ValueError, match="splits only on its 32-weight blocks"):
         a.columns(16, 64)
 
 
-def test_the_default_model_on_its_blocks_gives_the_logits_of_its_dequantized_weights():
+def test_the_default_model_on_its_blocks_gives_the_logits_of_its_dequantized_weights(monkeypatch):
     """The default model (Q4_1 matmuls, Q8_0 embedding and tied head) served
-    on its blocks and dequantized at load (`--quantization none`)."""
+    on its blocks and dequantized at load (`--quantization none`): the same
+    logits with float32 activations; with 8-bit ones (the default for decode),
+    the same next tokens and a small KL."""
     def runner(quantization: str) -> ModelRunner:
         return ModelRunner(ServerArgs(model_path=default_model_path(), dtype="float32", max_total_tokens=256,
                                       max_running_requests=2, quantization=quantization))
 
-    blocks = runner("")
-    kernels = {m.kernel for m in blocks.model.modules() if isinstance(m, Linear)}
-    assert kernels == {MatmulKernel.QUANT} and blocks.model.embed_tokens.quantized is not None
-    ours = RunnerDriver(blocks).teacher_forced_logits(PROMPT, ANSWER)
-    del blocks
     floats = runner("none")
     assert MatmulKernel.QUANT not in {m.kernel for m in floats.model.modules() if isinstance(m, Linear)}
     ref = RunnerDriver(floats).teacher_forced_logits(PROMPT, ANSWER)
+    del floats
+    blocks = runner("")
+    kernels = {m.kernel for m in blocks.model.modules() if isinstance(m, Linear)}
+    assert kernels == {MatmulKernel.QUANT} and blocks.model.embed_tokens.quantized is not None
+    q8 = RunnerDriver(blocks).teacher_forced_logits(PROMPT, ANSWER)
+    monkeypatch.setattr(weight, "use_q8_activations", False)
+    f32 = RunnerDriver(blocks).teacher_forced_logits(PROMPT, ANSWER)
     # the same weights, float32 sums in another order (the norm applied to x, not folded into W)
-    assert (ours - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    assert (f32 - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    kl = torch.nn.functional.kl_div(q8.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1)
+    print(f"8-bit activations: KL per position {kl.tolist()}")
+    assert torch.equal(q8.argmax(-1), ref.argmax(-1))
+    assert kl.max().item() < Q8_MAX_KL
 
 
 def test_a_written_gguf_reads_back_as_the_quantized_checkpoint(tmp_path):
