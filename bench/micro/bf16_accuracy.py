@@ -47,6 +47,7 @@ import torch
 from bench.lib.run_record import LoadAverage, loadavg, record_run
 from common.messages import ForwardBatch, ForwardMode
 from common.server_args import ServerArgs, default_model_path
+from model_proc.quant import weight as quant_weight
 from model_proc.runner import ModelRunner
 from model_proc.weights import resolve_model_path
 
@@ -182,13 +183,16 @@ class Variant(enum.Enum):
     OURS_BF16 = "ours bfloat16 (default backend)"
     OURS_BF16_TORCH = "ours bfloat16, torch attention"
     OURS_F32 = "ours float32"
-    # a GGUF --model-path served on its own blocks (model_proc/quant/), float32 activations
-    OURS_BLOCKS_F32 = "ours float32, the GGUF's blocks"
+    # a GGUF --model-path served on its own blocks (model_proc/quant/): as the server runs it
+    # (activations rounded to 8 bits in the products of up to 32 rows and >= 1024 columns),
+    # and with every product in float32
+    OURS_BLOCKS = "ours float32, the GGUF's blocks"
+    OURS_BLOCKS_F32 = "ours float32, the GGUF's blocks, float32 products"
 
 
 def runner_args(variant: Variant, model_path: str, context: int) -> ServerArgs:
     """model_path: the GGUF for a blocks variant, else the Hugging Face folder."""
-    dtype = "float32" if variant in (Variant.OURS_F32, Variant.OURS_BLOCKS_F32) else "bfloat16"
+    dtype = "float32" if variant in (Variant.OURS_F32, Variant.OURS_BLOCKS, Variant.OURS_BLOCKS_F32) else "bfloat16"
     extra = {"attention_backend": "torch"} if variant is Variant.OURS_BF16_TORCH else {}
     return ServerArgs(model_path=model_path, dtype=dtype, max_running_requests=1, context_length=context,
                       max_total_tokens=context, **extra)
@@ -218,6 +222,15 @@ def runner_logits(runner: ModelRunner, prompt: list[int], answer: list[int]) -> 
 
 
 @torch.inference_mode()
+def blocks_logits(runner: ModelRunner, prompt: list[int], answer: list[int], q8: bool) -> torch.Tensor:
+    """runner_logits with the 8-bit activations of quantized products on or off."""
+    saved, quant_weight.use_q8_activations = quant_weight.use_q8_activations, q8
+    try:
+        return runner_logits(runner, prompt, answer)
+    finally:
+        quant_weight.use_q8_activations = saved
+
+
 def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
     out = model(torch.tensor([prompt]), use_cache=True)
     answer = [int(out.logits[0, -1].argmax())]
@@ -286,7 +299,8 @@ def measure(model_path: str, prompts: list[list[int]], steps: int, variants: lis
     del ref_model
     context = max(len(p) for p in prompts) + steps + 1
     # blocks are a GGUF's own: no such variant for a Hugging Face folder
-    variants = [v for v in variants if v is not Variant.OURS_BLOCKS_F32 or model_path.endswith(".gguf")]
+    variants = [v for v in variants
+                if v not in (Variant.OURS_BLOCKS, Variant.OURS_BLOCKS_F32) or model_path.endswith(".gguf")]
     tallies = {v: Tally() for v in variants}
     first_tokens = {}
     for v, logits_of in variant_logits(folder, variants, context, model_path):
@@ -310,9 +324,9 @@ def variant_logits(folder: str, variants: list[Variant], context: int, model_pat
         if v is Variant.HF_BF16:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
             yield v, lambda p, a, m=model: hf_logits(m, p, a)
-        elif v is Variant.OURS_BLOCKS_F32:
+        elif v in (Variant.OURS_BLOCKS, Variant.OURS_BLOCKS_F32):
             runner = ModelRunner(runner_args(v, model_path, context))
-            yield v, lambda p, a, r=runner: runner_logits(r, p, a)
+            yield v, lambda p, a, r=runner, q8=v is Variant.OURS_BLOCKS: blocks_logits(r, p, a, q8)
         else:
             runner = ModelRunner(runner_args(v, folder, context))
             yield v, lambda p, a, r=runner: runner_logits(r, p, a)
