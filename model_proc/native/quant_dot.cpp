@@ -607,7 +607,7 @@ at::Tensor gemv_q8(const at::Tensor& q, const at::Tensor& d, const at::Tensor& s
     const float *dp = d.data_ptr<float>(), *sp = s.data_ptr<float>();
     const int16_t* bp = bs.data_ptr<int16_t>();
     float* yp = y.data_ptr<float>();
-    const bool simd = use_simd();
+    [[maybe_unused]] const bool simd = use_simd();  // (a build without AVX2 has one path)
     const int64_t nblk = k / kBlock;
     at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
 #ifdef BS_QDOT_AVX2

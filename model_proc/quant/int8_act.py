@@ -11,15 +11,14 @@ Only for the types `supports(qtype)` names (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K),
 where the module builds (`available()`); the float path is
 model_proc/quant/matmul.py's quant_matmul.
 
-Speed (python -m bench.micro.quant_bench --paths gemv tiles q8, one thread,
-thread clock, fastest of 5, weights from memory; Zen 3 EPYC, AVX2): against
-quant.cpp's float gemv and matmul.py's dequantized tiles, at K >= 2048
-(a 1B Llama's shapes) the q8 kernel is faster than both at every row count
-1-32 for Q4_0, Q4_1, Q6_K (1 row: 1.1-1.9x the gemv; 4-16 rows: 1.4-1.9x;
-32 rows: 1.2x the tiles), Q8_0 ties the gemv at 1 row; at K = 576
-(SmolLM2-135M) it ties or trails the gemv by up to 15% at 1 row (the
-quantization's fixed cost, a short last group), wins at 4-16 rows, and ties
-the tiles at 32. Up to 32 rows, then, except 1 row at K < 1024.
+Speed (python -m bench.micro.quant_bench --paths gemv tiles q8 --threads 1
+--clock thread --stat min; weights from memory; Zen 3 EPYC, AVX2, 2026-12-07):
+against quant.cpp's float gemv and matmul.py's dequantized tiles, on a 1B
+Llama's and SmolLM2-135M's shapes, the q8 kernel is the fastest of the three
+at every row count from 1 to 32 for Q4_0, Q4_1, Q4_K and Q6_K: 1.2-1.9x the
+gemv at 1 row, 1.4-1.9x at 4-16 rows, 1.1-1.3x the tiles at 32. Q8_0 ties
+the gemv at 1 row (0.94-1.26x: both near the read-bandwidth floor) and wins
+from 4 rows. So: up to 32 rows (weight.py's Q8_MAX_ROWS).
 
 Accuracy: the result is the product of the weight with x rounded to 8 bits,
 not with x. Each value moves by at most half its block's step, d / 2 with
