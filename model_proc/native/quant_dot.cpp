@@ -17,6 +17,9 @@
 //   s    float32 [M, Kp / 32]  d * sum(q) over the block (Q8_1's s)
 //   bsum int16   [M, Kp / 16]  sum(q) over each half block of 16
 //
+// `gemv_q8(q, d, s, bsum, blocks, qtype, k)` -> y float32 [M, N]; `matmul_q8(x,
+// blocks, qtype)` quantizes and multiplies in one call.
+//
 // Weights: GGUF blocks as stored, uint8 [N, row_bytes] (rows may be strided,
 // a row's bytes contiguous), of Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12),
 // Q6_K (14), never repacked. The AVX2 path decodes each block of 32 weights
@@ -334,9 +337,19 @@ inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_ca
 // lanes one by one cost ~40% of a Q4_0 row at one x row, and vpgatherdd
 // ~25% (Zen 3).
 inline __m256 f16x8(const uint8_t* p, int64_t stride, int nv) {
-  alignas(16) uint16_t h[8] = {};
-  for (int j = 0; j < nv; ++j) std::memcpy(&h[j], p + j * stride, 2);
-  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+  // lanes in registers: 16-bit stores read back as one vector would stall store forwarding, every row
+  __m128i h = _mm_setzero_si128();
+  switch (nv) {  // falls through: lane nv - 1 down to 0
+    case 7: h = _mm_insert_epi16(h, *reinterpret_cast<const uint16_t*>(p + 6 * stride), 6); [[fallthrough]];
+    case 6: h = _mm_insert_epi16(h, *reinterpret_cast<const uint16_t*>(p + 5 * stride), 5); [[fallthrough]];
+    case 5: h = _mm_insert_epi16(h, *reinterpret_cast<const uint16_t*>(p + 4 * stride), 4); [[fallthrough]];
+    case 4: h = _mm_insert_epi16(h, *reinterpret_cast<const uint16_t*>(p + 3 * stride), 3); [[fallthrough]];
+    case 3: h = _mm_insert_epi16(h, *reinterpret_cast<const uint16_t*>(p + 2 * stride), 2); [[fallthrough]];
+    case 2: h = _mm_insert_epi16(h, *reinterpret_cast<const uint16_t*>(p + stride), 1); [[fallthrough]];
+    case 1: h = _mm_insert_epi16(h, *reinterpret_cast<const uint16_t*>(p), 0); [[fallthrough]];
+    default: break;
+  }
+  return _mm256_cvtph_ps(h);
 }
 
 // The same for a whole group of 8 blocks of kStride bytes, Q4_0, Q4_1: a
@@ -594,7 +607,7 @@ at::Tensor gemv_q8(const at::Tensor& q, const at::Tensor& d, const at::Tensor& s
     const float *dp = d.data_ptr<float>(), *sp = s.data_ptr<float>();
     const int16_t* bp = bs.data_ptr<int16_t>();
     float* yp = y.data_ptr<float>();
-    const bool simd = use_simd();
+    [[maybe_unused]] const bool simd = use_simd();  // (a build without AVX2 has one path)
     const int64_t nblk = k / kBlock;
     at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
 #ifdef BS_QDOT_AVX2
@@ -615,6 +628,13 @@ at::Tensor gemv_q8(const at::Tensor& q, const at::Tensor& d, const at::Tensor& s
   });
 }
 
+// Both in one call (decode makes hundreds: one crossing from python instead of two)
+at::Tensor matmul_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be a contiguous float32 CPU tensor [M, K], got ", x.sizes());
+  const auto [q, d, s, bs] = quantize_rows(x);
+  return gemv_q8(q, d, s, bs, blocks, qtype, x.size(1));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -628,6 +648,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "blocks uint8 [N, row_bytes] of `qtype` (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), k columns",
         py::arg("q"), py::arg("d"), py::arg("s"), py::arg("bsum"), py::arg("blocks"), py::arg("qtype"),
         py::arg("k"), py::call_guard<py::gil_scoped_release>());
+  m.def("matmul_q8", &matmul_q8,
+        "gemv_q8(*quantize_rows(x), blocks, qtype, K): y float32 [M, N] from x float32 [M, K] (contiguous)",
+        py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::call_guard<py::gil_scoped_release>());
   m.def("supports", [](int64_t qtype) {
           switch (qtype) {
             case Q4_0::kType: case Q4_1::kType: case Q8_0::kType: case Q4_K::kType: case Q6_K::kType: return true;

@@ -11,6 +11,15 @@ Only for the types `supports(qtype)` names (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K),
 where the module builds (`available()`); the float path is
 model_proc/quant/matmul.py's quant_matmul.
 
+Speed (python -m bench.micro.quant_bench --paths gemv tiles q8 --threads 1
+--clock thread --stat min; weights from memory; Zen 3 EPYC, AVX2, 2026-12-07):
+against quant.cpp's float gemv and matmul.py's dequantized tiles, on a 1B
+Llama's and SmolLM2-135M's shapes, the q8 kernel is the fastest of the three
+at every row count from 1 to 32 for Q4_0, Q4_1, Q4_K and Q6_K: 1.2-1.9x the
+gemv at 1 row, 1.4-1.9x at 4-16 rows, 1.1-1.3x the tiles at 32. Q8_0 ties
+the gemv at 1 row (0.94-1.26x: both near the read-bandwidth floor) and wins
+from 4 rows. So: up to 32 rows (weight.py's Q8_MAX_ROWS).
+
 Accuracy: the result is the product of the weight with x rounded to 8 bits,
 not with x. Each value moves by at most half its block's step, d / 2 with
 d = max |x| / 127 over its block of 32 (plus float32 rounding of x / d,
@@ -107,12 +116,16 @@ def quant_matmul_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -
     """x @ dequantize(W).T: [M, N] in x's dtype, from x float32 or bfloat16
     [M, k] and W's blocks uint8 [N, row_bytes] of `qtype`, with x quantized
     to 8-bit blocks first (see the module's accuracy note). ValueError for a
-    type outside Q8_TYPES; RuntimeError where the native module is not built."""
+    type outside Q8_TYPES; RuntimeError where the native module is not built.
+    Where one x feeds several weights (q, k, v; gate, up), quantize_rows once
+    and matmul_q8 each; this does both in one native call."""
     if x.dtype not in _X_DTYPES or x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be float32 or bfloat16 [M, {k}], got {x.dtype} {tuple(x.shape)}")
-    if not supports(qtype):
+    if qtype not in Q8_TYPES:  # ints and GGMLTypes alike (an IntEnum hashes as its int)
         ggml_type(qtype)  # an unknown number: its own message
         raise ValueError(f"{GGMLType(qtype).name} has no 8-bit-activation kernel "
                          f"(types: {', '.join(t.name for t in sorted(Q8_TYPES))})")
-    y = matmul_q8(quantize_rows(x), blocks, qtype)
+    if k % Q8_BLOCK:
+        raise ValueError(f"k = {k} is not a multiple of {Q8_BLOCK}")
+    y = _require_op().matmul_q8(x.float().contiguous(), blocks, int(qtype))
     return y if x.dtype == torch.float32 else y.to(x.dtype)

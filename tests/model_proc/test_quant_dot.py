@@ -125,6 +125,7 @@ def test_avx2_and_scalar_paths_agree_bit_for_bit(qtype: GGMLType) -> None:
             blocks = torch.from_numpy(raw)
             ya, yb = both_paths(lambda: int8_act.matmul_q8(ra, blocks, qtype))
             assert torch.equal(bits(ya), bits(yb))
+            assert torch.equal(bits(op.matmul_q8(x, blocks, int(qtype))), bits(ya))  # quantize and gemv in one
 
 
 # Against the float64 product of the same quantized x (q * d, exact in float64)
