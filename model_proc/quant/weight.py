@@ -21,16 +21,14 @@ from model_proc.quant import int8_act
 from model_proc.quant.ggml_types import GGMLType, block_shape, row_bytes
 from model_proc.quant.matmul import dequantize, quant_matmul
 
-# Up to this many rows, and from this many columns, x is rounded to 8-bit
-# blocks once and every segment dotted with it in integers (int8_act.py, as
-# llama.cpp and vLLM's GGUF kernels do): faster than the float gemv and the
-# dequantized tiles at 1-32 rows on a 1B model's shapes (K 2048 and 8192:
-# python -m bench.micro.quant_bench --paths gemv tiles q8); at K = 576 (the
-# default model) the quantization's fixed cost made it tie or trail the float
-# gemv at one row. Elsewhere, and for a type without such a kernel, the
-# float32 product.
+# Up to this many rows x is rounded to 8-bit blocks once and every segment
+# dotted with it in integers (int8_act.py, as llama.cpp and vLLM's GGUF
+# kernels do): one thread, Q4_0, 1.2-1.6x the float gemv's speed at one row
+# (576 x 576 to 49152 x 2048), 1.6-1.7x at 16 rows, 1.1-1.3x the dequantized
+# tiles at 32 (python -m bench.micro.quant_bench --paths gemv tiles q8);
+# Q8_0 ties the gemv at one row. Above, and for a type without such a kernel
+# (Q5_0, Q5_1, Q5_K), the float32 product.
 Q8_MAX_ROWS = 32
-Q8_MIN_COLUMNS = 1024
 # switch for tests and benchmarks: False keeps every product in float32
 use_q8_activations = True
 
@@ -127,11 +125,12 @@ class QuantWeight:
         """(x * input_scale) @ W.T in float32: x [M, K] -> [M, N] (x rounded to
         8-bit blocks first up to Q8_MAX_ROWS rows, see use_q8_activations)."""
         x = x.float() if self.input_scale is None else x.float() * self.input_scale
-        if use_q8_activations and x.shape[0] <= Q8_MAX_ROWS and self.in_features >= Q8_MIN_COLUMNS \
-                and self._q8_ready():
+        if use_q8_activations and x.shape[0] <= Q8_MAX_ROWS and self._q8_ready():
+            if len(self.segments) == 1:  # quantized and multiplied in one native call
+                s = self.segments[0]
+                return int8_act.quant_matmul_q8(x, s.blocks, s.qtype, self.in_features)
             rows = int8_act.quantize_rows(x)  # once, for every segment
-            parts = [int8_act.matmul_q8(rows, s.blocks, s.qtype) for s in self.segments]
-            return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+            return torch.cat([int8_act.matmul_q8(rows, s.blocks, s.qtype) for s in self.segments], 1)
         if len(self.segments) == 1:
             s = self.segments[0]
             return quant_matmul(x, s.blocks, s.qtype, self.in_features)

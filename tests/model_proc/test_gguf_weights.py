@@ -74,7 +74,6 @@ def test_slices_and_stacks_of_blocks_are_the_slices_and_stacks_of_their_floats(m
     assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
     # 8-bit activations: the product with the scaled x as int8_act rounds it, across the segments
     monkeypatch.setattr(weight, "use_q8_activations", True)
-    monkeypatch.setattr(weight, "Q8_MIN_COLUMNS", 0)  # this weight's 128 columns too
     rounded = int8_act.quantize_rows((x * scale).float()).dequantize().double()
     got = both.scaled_input(scale).matmul(x)
     assert torch.allclose(got.double(), rounded @ w.T, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
