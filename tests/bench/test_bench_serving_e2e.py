@@ -13,10 +13,10 @@ NUM, OUT = 3, 4
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--max-running-requests", "4", "--max-total-tokens", "2048")
-    yield srv
-    srv.kill()
+def server(shared_server: ServerProcess) -> ServerProcess:
+    # the session's shared server (tests/conftest.py): bench_serving reads its counters as
+    # differences over the run, so what other modules sent before does not count
+    return shared_server
 
 
 @pytest.mark.parametrize("backend,extra", [("sglang", []), ("openai", []), ("openai-chat", []),

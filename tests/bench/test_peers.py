@@ -7,20 +7,24 @@ import os
 
 import dataclasses
 
+from bench.lib import machine_rates
 from bench.serving import peers
-from bench.lib.server_launcher import LaunchedServer
 from common import server_args
 from model_proc.model import ModelConfig
 from tests.helpers import TINY_CONFIG
 
 
-def test_this_server_and_a_peer_are_served_the_same_trace(tmp_path, default_model_dir, recorded) -> None:
-    # the peer is another server of ours: any OpenAI-completions server would do
-    with LaunchedServer.ours(["--max-running-requests", "4"], str(tmp_path / "peer.log")) as peer:
-        out = peers.main(["--concurrency", "2", "1", "--num-prompts", "4", "--num-prompts-single", "2",
-                          "--input-len", "16", "--output-len", "8", "--ours-flags", "--max-running-requests 4",
-                          "--peer", f"other={peer.url}", "--peer-note", "other=a second batchserve",
-                          "--out-dir", str(tmp_path), "--record"])
+def test_this_server_and_a_peer_are_served_the_same_trace(tmp_path, default_model_dir, recorded, monkeypatch,
+                                                           shared_server) -> None:
+    # the floors' bfloat16 matmul rate still measured, on 256 x 256 matrices: at the default
+    # 2048 a CPU without native bfloat16 (AVX2 only) spends a minute per call, six calls
+    monkeypatch.setattr(peers, "matmul_rate", lambda dtype: machine_rates.matmul_rate(dtype, n=256))
+    # the peer is another server of ours, the session's shared one (tests/conftest.py):
+    # any OpenAI-completions server would do
+    out = peers.main(["--concurrency", "2", "1", "--num-prompts", "4", "--num-prompts-single", "2",
+                      "--input-len", "16", "--output-len", "8", "--ours-flags", "--max-running-requests 4",
+                      "--peer", f"other={shared_server.url}", "--peer-note", "other=a second batchserve",
+                      "--out-dir", str(tmp_path), "--record"])
     assert [(r["server"], r["concurrency"], r["prompts"]) for r in out["rows"]] == [
         ("batchserve", 2, 4), ("batchserve", 1, 2), ("other", 2, 4), ("other", 1, 2)]
     for r in out["rows"]:

@@ -112,11 +112,10 @@ class RecordingProxy:
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir):
-    srv = ServerProcess("--model-path", default_model_dir, "--dtype", "float32",
-                        "--max-total-tokens", "4096", "--max-running-requests", "4")
-    yield srv
-    srv.kill()
+def server(shared_float32_server: ServerProcess) -> ServerProcess:
+    # the session's shared float32 server (tests/conftest.py), the default model; its reasoning
+    # parser acts on chat only, and lm-eval posts to /v1/completions
+    return shared_float32_server
 
 
 def run_lm_eval(base_url: str, model_dir: str, out_dir: str, home: str) -> subprocess.CompletedProcess:

@@ -22,13 +22,12 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
+def server(shared_float32_server: ServerProcess) -> ServerProcess:
+    # the session's shared server (tests/conftest.py), with what this module needs:
     # float32: /v1/score is compared with /generate to the last digits, whatever the batch.
     # qwen3's parser splits only an output that opens a thinking block (SmolLM2's never
     # does) or one whose prompt opened it: the other tests' answers are all content
-    srv = ServerProcess("--max-running-requests", "4", "--dtype", "float32", "--reasoning-parser", "qwen3")
-    yield srv
-    srv.kill()
+    return shared_float32_server
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,10 @@ def ask(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--max-running-requests", "4", "--enable-metrics")
-    yield srv
-    srv.kill()
+def server(shared_server: ServerProcess) -> ServerProcess:
+    # the session's shared server (tests/conftest.py): the default dtype, metrics on; each
+    # test flushes the cache where what it finds there matters
+    return shared_server
 
 
 def generate(srv: ServerProcess, body: dict) -> dict:

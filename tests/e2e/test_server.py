@@ -184,6 +184,26 @@ def test_server_info_and_metrics_show_the_live_scheduler(server):
     assert requests.post(server.url + "/flush_cache", timeout=10).status_code == 200
 
 
+def test_client_disconnect_mid_stream_frees_the_kv(server):
+    # on the module's server, idle here (a server of its own would cost a start)
+    body = {"text": "Write a very long essay about the sea.", "stream": True,
+            "sampling_params": {"max_new_tokens": UNBOUNDED_TOKENS, "ignore_eos": True}}
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=60) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith(b"data: "):
+            pass
+        sched = requests.get(server.url + "/get_server_info", timeout=10).json()["scheduler"]
+        assert sched["num_running_reqs"] == 1 and sched["held_kv_slots"] > 0
+    # the connection is closed: within a few scheduler steps every slot is free again
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        sched = requests.get(server.url + "/get_server_info", timeout=10).json()["scheduler"]
+        if sched["held_kv_slots"] == 0 and sched["num_running_reqs"] == 0:
+            break
+        time.sleep(0.05)
+    assert sched["held_kv_slots"] == 0 and sched["num_running_reqs"] == 0
+
+
 def test_sigint_stops_every_child_and_removes_the_socket_dir(server):
     pids = list(server.child_pids)
     assert server.stop(signal.SIGINT) == 0
@@ -257,29 +277,6 @@ def test_queue_limit_gives_503_and_meta_info_reports_queue_time():
             requests.post(srv.url + "/abort_request", json={"abort_all": True}, timeout=30)
             for f in busy:
                 f.result()
-    finally:
-        srv.kill()
-
-
-def test_client_disconnect_mid_stream_frees_the_kv():
-    srv = ServerProcess("--max-running-requests", "2")
-    try:
-        body = {"text": "Write a very long essay about the sea.", "stream": True,
-                "sampling_params": {"max_new_tokens": UNBOUNDED_TOKENS, "ignore_eos": True}}
-        with requests.post(srv.url + "/generate", json=body, stream=True, timeout=60) as r:
-            lines = r.iter_lines()
-            while not next(lines).startswith(b"data: "):
-                pass
-            sched = requests.get(srv.url + "/get_server_info", timeout=10).json()["scheduler"]
-            assert sched["num_running_reqs"] == 1 and sched["held_kv_slots"] > 0
-        # the connection is closed: within a few scheduler steps every slot is free again
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            sched = requests.get(srv.url + "/get_server_info", timeout=10).json()["scheduler"]
-            if sched["held_kv_slots"] == 0 and sched["num_running_reqs"] == 0:
-                break
-            time.sleep(0.05)
-        assert sched["held_kv_slots"] == 0 and sched["num_running_reqs"] == 0
     finally:
         srv.kill()
 

@@ -19,7 +19,7 @@ from common.server_args import GEMMA_WHEEL, ServerArgs
 from model_proc.weights import resolve_model_path
 from tests.model_proc.llama_cpp_spm import LlamaCppSpm
 from tests.tokenizer_proc.samples import GEMMA_CHAT
-from tokenizer_proc.tokenizer import NoChatTemplateError, load_tokenizer
+from tokenizer_proc.tokenizer import NoChatTemplateError, Tokenizer, load_tokenizer
 
 pytestmark = [
     pytest.mark.slow,
@@ -46,6 +46,12 @@ def gemma_dir(gguf_path: str) -> str:
     return resolve_model_path(gguf_path, ServerArgs(model_path=gguf_path).cache_dir)
 
 
+@pytest.fixture(scope="module")
+def gemma_tokenizer(gemma_dir: str) -> Tokenizer:
+    # loaded once for the module's tests that only read it (a 262,144-token vocabulary: seconds a load)
+    return load_tokenizer(gemma_dir)
+
+
 def test_the_config_carries_what_gemma3_needs(gemma_dir: str) -> None:
     with open(os.path.join(gemma_dir, "config.json")) as f:
         cfg = json.load(f)
@@ -64,10 +70,10 @@ def test_the_config_carries_what_gemma3_needs(gemma_dir: str) -> None:
     assert cfg["dtype"] == "float32" and "quantization_config" not in cfg  # dequantized, stored exactly
 
 
-def test_generation_ends_at_eos_or_end_of_turn(gemma_dir: str) -> None:
+def test_generation_ends_at_eos_or_end_of_turn(gemma_dir: str, gemma_tokenizer: Tokenizer) -> None:
     with open(os.path.join(gemma_dir, "generation_config.json")) as f:
         assert json.load(f)["eos_token_id"] == [1, END_OF_TURN]
-    assert load_tokenizer(gemma_dir).eos_token_ids == [1, END_OF_TURN]
+    assert gemma_tokenizer.eos_token_ids == [1, END_OF_TURN]
 
 
 def test_transformers_loads_it_and_it_predicts_english(gemma_dir: str) -> None:
@@ -87,9 +93,10 @@ def test_transformers_loads_it_and_it_predicts_english(gemma_dir: str) -> None:
     assert ppl < 15, ppl
 
 
-def test_the_tokenizer_encodes_as_llama_cpp_does_from_the_gguf(gemma_dir: str, gguf_path: str) -> None:
+def test_the_tokenizer_encodes_as_llama_cpp_does_from_the_gguf(gemma_tokenizer: Tokenizer,
+                                                                gguf_path: str) -> None:
     ref = LlamaCppSpm(gguf_path)
-    tok = load_tokenizer(gemma_dir)
+    tok = gemma_tokenizer
     rng = random.Random(0)
     alphabet = "abcdefghijklmnopqrstuvwxyz ABCXYZ0123456789.,;:!?'\"\n\t()[]{}<>éüñ中文日本한국어🙂—–-_=+*/\\"
     texts = SAMPLES + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))) for _ in range(300)]
@@ -101,9 +108,10 @@ def test_the_tokenizer_encodes_as_llama_cpp_does_from_the_gguf(gemma_dir: str, g
             assert tok.decode(ids) == text
 
 
-def test_the_base_model_has_no_chat_template_until_one_is_given(gemma_dir: str) -> None:
+def test_the_base_model_has_no_chat_template_until_one_is_given(gemma_dir: str,
+                                                                 gemma_tokenizer: Tokenizer) -> None:
     with pytest.raises(NoChatTemplateError):
-        load_tokenizer(gemma_dir).apply_chat_template([{"role": "user", "content": "hi"}])
+        gemma_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     tok = load_tokenizer(gemma_dir, chat_template=GEMMA_CHAT)
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert tok.decode(ids, skip_special_tokens=False) == \

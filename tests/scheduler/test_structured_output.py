@@ -22,6 +22,10 @@ from scheduler_proc.queries import scheduler_state
 from tests.scheduler.test_engine_matches_transformers import Engine
 from tokenizer_proc.finish_json import finish_json
 
+# the server's default: bfloat16 where the CPU computes it natively, float32
+# elsewhere (emulated, bfloat16 steps of the real model take ~4x as long)
+DTYPE = "auto"
+
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
     """An object schema: nested objects, arrays, enums, numbers, booleans,
@@ -99,7 +103,7 @@ def test_random_json_schemas_always_give_valid_json_in_a_busy_batch_with_retract
     # 40 rows of ~45-token prompts (~30 tokens of them shared) in a pool of
     # 650 slots, admitted as if answers were short: they start, outgrow the
     # pool, and rows are retracted and recomputed
-    engine = Engine(default_model_dir, ignore_eos=False, dtype="bfloat16", max_running_requests=40,
+    engine = Engine(default_model_dir, ignore_eos=False, dtype=DTYPE, max_running_requests=40,
                     max_total_tokens=650, schedule_conservativeness=0.01)
     out = run_all(engine, reqs)
     assert engine.sched.decode.total_retractions > 0
@@ -131,7 +135,7 @@ def test_regex_and_ebnf_outputs_match_in_full_and_overlap_changes_nothing(defaul
     # --deterministic: a row's bits do not depend on its batch mates, so the two
     # loops (whose batches differ by the rows that end a step late under
     # overlap) must give the same tokens, greedy and seeded sampling alike
-    engine = Engine(default_model_dir, ignore_eos=False, dtype="bfloat16", max_running_requests=6,
+    engine = Engine(default_model_dir, ignore_eos=False, dtype=DTYPE, max_running_requests=6,
                     disable_overlap_schedule=not overlap, deterministic=True)
     out = run_all(engine, reqs)
     texts = {rid: chat.decode(r.output_ids) for rid, r in out.items()}
@@ -159,7 +163,7 @@ def test_a_request_waiting_for_its_grammar_holds_up_nobody(default_model_dir, ch
 
     monkeypatch.setattr(GrammarBackend, "_compile", slow_compile)
     # the gate, not the grammar, holds the compile: no budget for it to run out of
-    engine = Engine(default_model_dir, ignore_eos=True, dtype="bfloat16", max_running_requests=4,
+    engine = Engine(default_model_dir, ignore_eos=True, dtype=DTYPE, max_running_requests=4,
                     grammar_compile_timeout_s=600)
     sched = engine.sched
     grammar = Grammar(GrammarKind.REGEX, r"[0-9]{4}")
@@ -196,7 +200,7 @@ def test_an_aborted_request_waiting_for_its_grammar_drops_its_queued_compile(def
         return real_compile(self, grammar)
 
     monkeypatch.setattr(GrammarBackend, "_compile", gated_compile)
-    engine = Engine(default_model_dir, ignore_eos=True, dtype="bfloat16", grammar_compile_threads=1,
+    engine = Engine(default_model_dir, ignore_eos=True, dtype=DTYPE, grammar_compile_threads=1,
                     grammar_compile_timeout_s=600)
     sched = engine.sched
     sent = []
@@ -221,7 +225,7 @@ def test_an_aborted_request_waiting_for_its_grammar_drops_its_queued_compile(def
 
 
 def test_a_grammar_that_fails_to_compile_fails_only_its_request(default_model_dir, chat):
-    engine = Engine(default_model_dir, ignore_eos=True, dtype="bfloat16")
+    engine = Engine(default_model_dir, ignore_eos=True, dtype=DTYPE)
     sent = []
     engine.sched.send_output = sent.append
     reqs = [("bad", chat("x"), SamplingParams(max_new_tokens=4, grammar=Grammar(GrammarKind.REGEX, "(unclosed"))),
