@@ -183,11 +183,11 @@ class Variant(enum.Enum):
     OURS_BF16 = "ours bfloat16 (default backend)"
     OURS_BF16_TORCH = "ours bfloat16, torch attention"
     OURS_F32 = "ours float32"
-    # a GGUF --model-path served on its own blocks (model_proc/quant/): as the server runs it
-    # (activations rounded to 8 bits in the products of up to 32 rows and >= 1024 columns),
-    # and with every product in float32
-    OURS_BLOCKS = "ours float32, the GGUF's blocks"
-    OURS_BLOCKS_F32 = "ours float32, the GGUF's blocks, float32 products"
+    # a GGUF --model-path served on its own blocks (model_proc/quant/): with activations rounded
+    # to 8 bits in the products of up to 32 rows (quant.weight.use_q8_activations), and with every
+    # product in float32 (the server's default)
+    OURS_BLOCKS = "ours float32, the GGUF's blocks, 8-bit activations"
+    OURS_BLOCKS_F32 = "ours float32, the GGUF's blocks"
 
 
 def runner_args(variant: Variant, model_path: str, context: int) -> ServerArgs:

@@ -84,8 +84,8 @@ def test_slices_and_stacks_of_blocks_are_the_slices_and_stacks_of_their_floats(m
 def test_the_default_model_on_its_blocks_gives_the_logits_of_its_dequantized_weights(monkeypatch):
     """The default model (Q4_1 matmuls, Q8_0 embedding and tied head) served
     on its blocks and dequantized at load (`--quantization none`): the same
-    logits with float32 activations; with 8-bit ones (the default for decode),
-    the same next tokens and a small KL."""
+    logits with float32 activations (the default); with 8-bit ones, the same
+    next tokens and a small KL."""
     def runner(quantization: str) -> ModelRunner:
         return ModelRunner(ServerArgs(model_path=default_model_path(), dtype="float32", max_total_tokens=256,
                                       max_running_requests=2, quantization=quantization))
@@ -97,6 +97,7 @@ def test_the_default_model_on_its_blocks_gives_the_logits_of_its_dequantized_wei
     blocks = runner("")
     kernels = {m.kernel for m in blocks.model.modules() if isinstance(m, Linear)}
     assert kernels == {MatmulKernel.QUANT} and blocks.model.embed_tokens.quantized is not None
+    monkeypatch.setattr(weight, "use_q8_activations", True)
     q8 = RunnerDriver(blocks).teacher_forced_logits(PROMPT, ANSWER)
     monkeypatch.setattr(weight, "use_q8_activations", False)
     f32 = RunnerDriver(blocks).teacher_forced_logits(PROMPT, ANSWER)
