@@ -54,7 +54,7 @@ def cflags(name: str) -> list[str]:
 
 
 def build_dir(name: str = "attention") -> str:
-    """~/.cache/batchserve/native/<name>-<torch version>-<machine>-<cpu flags hash>-<source hash>:
+    """~/.cache/batchserve/native/<name>-<torch version>-<machine>-<cpu flags + torch path hash>-<source hash>:
     the binary is built for this processor (-march=native), this torch and
     this source. The source is in the name because checkouts share the cache
     (worktrees, other branches): without it one checkout's build would
@@ -66,7 +66,10 @@ def build_dir(name: str = "attention") -> str:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    cpu = hashlib.sha1(flags.encode()).hexdigest()[:10]
+    # the torch installation too: ninja rebuilds when the compile line changes, and a
+    # virtual environment's torch has other include paths, so two environments sharing
+    # one directory rebuilt it in turn (each test's model process waiting a minute on it)
+    cpu = hashlib.sha1((flags + os.path.dirname(torch.__file__)).encode()).hexdigest()[:10]
     with open(source(name), "rb") as f:
         digest = hashlib.sha1(f.read() + " ".join(cflags(name)).encode()).hexdigest()[:10]
     path = os.path.join(root, f"{name}-torch{torch.__version__}-{platform.machine()}-{cpu}-{digest}")
