@@ -41,11 +41,11 @@ MARKUP = ("<tool_call", "</tool_call", '{"name"')
 
 @pytest.fixture(scope="module")
 def server() -> Any:
-    # a KV pool of 3,072 tokens and a low conservativeness: the busy batch below (20 prompts of
-    # ~200 tokens) is admitted past what its calls then need, and retracts; no prefix cache, so
+    # a KV pool of 3,072 tokens and a very low conservativeness: the busy batch below (20 prompts
+    # of 200-550 tokens and a long answer) is admitted past what it then needs, and retracts; no prefix cache, so
     # a request asked twice alone is computed the same way twice
     srv = ServerProcess("--max-running-requests", "20", "--max-total-tokens", "3072",
-                        "--schedule-conservativeness", "0.1", "--disable-radix-cache")
+                        "--schedule-conservativeness", "0.01", "--disable-radix-cache")
     yield srv
     srv.kill()
 
@@ -147,8 +147,15 @@ def test_random_schemas_in_a_busy_batch_always_give_valid_calls(server: ServerPr
                                   tools=[tool], tool_choice=choice, parallel_tool_calls=False,
                                   max_tokens=160, temperature=1.0 if sampled else 0.0, seed=k)))
     retracted_before = sum("Retract requests" in line for line in server.log)
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(jobs) + 1) as pool:
+        # the calls alone are short, so whether they outgrow the pool depended on when they
+        # arrived (CI's quiet machine admitted them late and never retracted); a long answer
+        # running beside them grows past its reservation (admission expects a share of max_tokens
+        # only; not ignore_eos, which reserves all of it) and makes the pool run dry
+        filler = pool.submit(client.completions.create, model="m", prompt="Count: 1, 2, 3,", max_tokens=320,
+                             temperature=0.0)
         answers = list(pool.map(lambda job: client.chat.completions.create(**job[1]).choices[0], jobs))
+        assert filler.result().choices[0].finish_reason == "length"
     for (schema, job), answer in zip(jobs, answers):
         assert answer.finish_reason == "tool_calls", answer
         (call,) = answer.message.tool_calls
