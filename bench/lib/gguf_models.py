@@ -59,10 +59,9 @@ def write_llama_gguf(model_dir: str, out: str, qtype: str, template: str | None 
         cfg = json.load(f)
     if cfg["model_type"] != "llama":
         raise ValueError(f"only Llama checkpoints are written, not {cfg['model_type']!r}")
-    reader = gguf.GGUFReader(template or default_model_path())
     writer = gguf.GGUFWriter(out, "llama")
     if with_tokenizer:
-        _copy_template_keys(writer, reader)
+        _copy_template_keys(writer, gguf.GGUFReader(template or default_model_path()))
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     writer.add_context_length(cfg["max_position_embeddings"])

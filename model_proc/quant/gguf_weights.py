@@ -16,7 +16,8 @@ import gguf
 import numpy as np
 import torch
 
-from model_proc.quant.ggml_types import SUPPORTED, GGMLType
+from model_proc.quant.ggml_types import SUPPORTED, GGMLType, row_bytes
+from model_proc.quant.gguf_file import GGUFFile
 from model_proc.quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
@@ -35,17 +36,24 @@ def llama_qk_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(-1)
 
 
+def _type_name(ggml_type: int) -> str:
+    try:
+        return gguf.GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"type {ggml_type}"
+
+
 class GGUFWeights:
     """`get(hf_name)`: that tensor's blocks, or None where the file holds it
     as floats (or in a block type without a kernel here)."""
 
     def __init__(self, path: str, hf_names: list[str], num_heads: int, num_kv_heads: int) -> None:
-        reader = gguf.GGUFReader(path)
-        arch_name = reader.fields["general.architecture"].contents()
+        file = GGUFFile(path)
+        arch_name = file.metadata["general.architecture"]
         archs = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
         if arch_name not in archs:
             raise ValueError(f"{path}: GGUF architecture {arch_name!r} unknown to gguf-py")
-        tensors = {t.name: t for t in reader.tensors}
+        tensors = file.tensors
         blocks = max((int(n.split(".")[1]) + 1 for n in tensors if n.startswith("blk.")), default=0)
         name_map = gguf.get_tensor_name_map(archs[arch_name], blocks)
         self._weights: dict[str, QuantWeight] = {}
@@ -56,14 +64,16 @@ class GGUFWeights:
             if t is None or len(t.shape) != 2:
                 continue
             try:
-                qtype = GGMLType(int(t.tensor_type))
+                qtype = GGMLType(t.ggml_type)
             except ValueError:
                 qtype = None
             if qtype not in SUPPORTED:
-                self.float_types[hf] = t.tensor_type.name
+                self.float_types[hf] = _type_name(t.ggml_type)
                 continue
-            k = int(t.shape[0])  # GGUF lists dimensions innermost first
-            w = QuantWeight.of(qtype, torch.from_numpy(np.array(t.data)), k)
+            k, n = t.shape  # GGUF lists dimensions innermost first
+            # copied out of the mapping: the weights stay in memory, not in the page cache
+            data = np.array(file.tensor_bytes(t, row_bytes(qtype, k) * n)).reshape(n, row_bytes(qtype, k))
+            w = QuantWeight.of(qtype, torch.from_numpy(data), k)
             if arch_name == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = num_heads if hf.endswith("q_proj.weight") else num_kv_heads
                 w = w.take_rows(llama_qk_order(w.shape[0], heads))

@@ -6,81 +6,15 @@ algorithm, not from transformers' converter, so the two are independent."""
 from __future__ import annotations
 
 import heapq
-import struct
-from typing import Any
+
+from model_proc.quant.gguf_file import GGUFFile
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-# GGUF metadata value types (ggml's gguf_type) -> struct format; 8 is a
-# string, 9 an array
-SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-STRING, ARRAY = 8, 9
-
-
-def read_gguf_metadata(gguf_path: str) -> dict[str, Any]:
-    """The key-value section of a (little-endian, version 2 or 3) GGUF file,
-    read as llama.cpp's gguf_init does; arrays become lists. Why not gguf's
-    GGUFReader: it builds a numpy view per element, which for Gemma's 262,144
-    tokens takes 15 to 40 s on 2 cores; this takes well under a second."""
-    with open(gguf_path, "rb") as f:
-        head = f.read(24)
-        magic, version, _, n_kv = struct.unpack("<4sIQQ", head)
-        assert magic == b"GGUF" and version in (2, 3), (magic, version)
-        # the metadata sits before the tensor infos; read in growing pieces until it is all in
-        size = 1 << 24
-        while True:
-            f.seek(0)
-            buf = f.read(size)
-            try:
-                return _parse_kv(buf, n_kv)
-            except (struct.error, IndexError):
-                if len(buf) < size:
-                    raise
-                size *= 4
-
-
-def _parse_kv(buf: bytes, n_kv: int) -> dict[str, Any]:
-    pos = 24
-
-    def string() -> str:
-        nonlocal pos
-        (n,) = struct.unpack_from("<Q", buf, pos)
-        if pos + 8 + n > len(buf):
-            raise IndexError("string past the buffer")
-        text = buf[pos + 8:pos + 8 + n].decode("utf-8")
-        pos += 8 + n
-        return text
-
-    def value(kind: int) -> Any:
-        nonlocal pos
-        if kind == STRING:
-            return string()
-        if kind == ARRAY:
-            elem, count = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            if elem in SCALAR_FORMATS:
-                fmt = SCALAR_FORMATS[elem]
-                items = list(struct.unpack_from(f"<{count}{fmt}", buf, pos))
-                pos += count * struct.calcsize(fmt)
-                return items
-            return [value(elem) for _ in range(count)]
-        fmt = SCALAR_FORMATS[kind]
-        (v,) = struct.unpack_from(f"<{fmt}", buf, pos)
-        pos += struct.calcsize(fmt)
-        return v
-
-    fields = {}
-    for _ in range(n_kv):
-        key = string()
-        (kind,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        fields[key] = value(kind)
-    return fields
 
 
 class LlamaCppSpm:
     def __init__(self, gguf_path: str) -> None:
-        fields = read_gguf_metadata(gguf_path)
+        fields = GGUFFile(gguf_path).metadata
         assert fields["tokenizer.ggml.model"] == "llama"
         self.tokens: list[str] = fields["tokenizer.ggml.tokens"]
         self.scores = [float(s) for s in fields["tokenizer.ggml.scores"]]
