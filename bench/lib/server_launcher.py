@@ -25,6 +25,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def unwind_on_sigterm() -> None:
+    """A script's SIGTERM unwinds like Ctrl-C, so the server it is measuring is
+    stopped too. Set by the scripts' __main__ only: a test that calls their
+    main() keeps pytest's own handling."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=5) as r:

@@ -49,7 +49,6 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -62,7 +61,7 @@ from bench.serving.bench_serving import load_client_tokenizer, run_benchmark
 from bench.lib.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
 from bench.lib.datasets import chapter_lens, poisson_arrivals, rows_from_lengths, sample_rows
 from bench.lib.run_record import LoadAverage, loadavg
-from bench.lib.server_launcher import LaunchedServer
+from bench.lib.server_launcher import LaunchedServer, unwind_on_sigterm
 from bench.lib.study_modes import (MODES, OUR_MODES, TIMELINE_TRACE, NotRun, Trace, hf_serve_missing, run_mode,
                                with_utilisation)
 from bench.plots.study_plots import draw_all, have_matplotlib, save_timelines
@@ -255,8 +254,6 @@ def measure(mode: str, trace: Trace, args: argparse.Namespace, model_dir: str, t
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C, so the server of the mode being measured is stopped too
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.makedirs(args.out_dir, exist_ok=True)
     started, machine_start, load_start = time.perf_counter(), machine_line(), loadavg()
     model_dir = resolve_model_dir(args.model_path)
@@ -301,4 +298,5 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
+    unwind_on_sigterm()
     main()

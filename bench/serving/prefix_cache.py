@@ -44,7 +44,6 @@ import datetime
 import json
 import math
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -58,7 +57,7 @@ from bench.serving.bench_serving import flush_cache, load_client_tokenizer, run_
 from bench.lib.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
 from bench.lib.datasets import (Conversation, DatasetRow, poisson_arrivals, sample_conversations, sample_rows)
 from bench.lib.run_record import LoadAverage, loadavg
-from bench.lib.server_launcher import LaunchedServer
+from bench.lib.server_launcher import LaunchedServer, unwind_on_sigterm
 from bench.lib.study_report import fmt, machine_line, write_report
 
 BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
@@ -333,7 +332,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the running server is stopped
     os.makedirs(args.out_dir, exist_ok=True)
     started, machine_start, load_start = time.perf_counter(), machine_line(), loadavg()
     model_dir = resolve_model_dir(args.model_path)
@@ -363,4 +361,5 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    unwind_on_sigterm()
     main()

@@ -47,7 +47,6 @@ import json
 import math
 import os
 import re
-import signal
 import sys
 import tempfile
 import time
@@ -60,7 +59,7 @@ from bench.serving.bench_serving import load_client_tokenizer, run_benchmark, sc
 from bench.lib.cpu_pressure import CpuWait, add_quiet_cpu_args, wait_for_quiet
 from bench.lib.datasets import DatasetRow, poisson_arrivals, sample_rows
 from bench.lib.run_record import LoadAverage, loadavg
-from bench.lib.server_launcher import LaunchedServer
+from bench.lib.server_launcher import LaunchedServer, unwind_on_sigterm
 from bench.plots.study_plots import have_matplotlib, pyplot
 from bench.lib.study_report import fmt, link, machine_line, write_report
 from bench.plots.timeline_plot import fetch_timeline
@@ -341,7 +340,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the running server is stopped
     os.makedirs(args.out_dir, exist_ok=True)
     started, machine_start, load_start = time.perf_counter(), machine_line(), loadavg()
     model_dir = resolve_model_dir(args.model_path)
@@ -378,4 +376,5 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
+    unwind_on_sigterm()
     main()

@@ -142,8 +142,8 @@ def _run(name: str) -> Outcome:
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir):
-    srv = ServerProcess("--model-path", default_model_dir, "--incremental-streaming-output", startup_timeout=300.0)
+def server():
+    srv = ServerProcess("--incremental-streaming-output", startup_timeout=300.0)
     yield srv
     srv.kill()
 

@@ -21,9 +21,9 @@ def mixed_steps(h: Harness) -> int:
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
 @pytest.mark.parametrize("radix_cache", [True, False], ids=["cache", "no-cache"])
-def test_mixed_steps_give_the_plain_loops_outputs_under_random_load(overlap, radix_cache):
+def test_mixed_steps_give_the_plain_loops_outputs_under_random_load(overlap, radix_cache, property_seeds):
     mixed = 0
-    for seed in range(25):
+    for seed in property_seeds:
         on = random_load(seed, overlap, "continuous", radix_cache=radix_cache, enable_mixed_chunk=True)
         off = random_load(seed, False, "continuous", radix_cache=radix_cache)
         assert streamed(on.outputs) == streamed(off.outputs), f"seed {seed}"
@@ -33,8 +33,8 @@ def test_mixed_steps_give_the_plain_loops_outputs_under_random_load(overlap, rad
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
-def test_aborts_in_mixed_steps_cut_outputs_short_and_leak_nothing(overlap):
-    for seed in range(25):
+def test_aborts_in_mixed_steps_cut_outputs_short_and_leak_nothing(overlap, property_seeds):
+    for seed in property_seeds:
         cut = streamed(random_load(seed, overlap, "continuous", aborts=True, enable_mixed_chunk=True).outputs)
         full = streamed(random_load(seed, False, "continuous").outputs)
         for rid, (tokens, reason) in cut.items():

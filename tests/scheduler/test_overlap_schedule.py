@@ -67,12 +67,12 @@ def random_load(seed: int, overlap: bool, batching: str, aborts: bool = False,
 
 @pytest.mark.parametrize("batching,radix_cache", [("continuous", False), ("continuous", True),
                                                   ("static", False), ("dynamic", False)])
-def test_overlap_gives_the_plain_loops_outputs_under_random_load(batching, radix_cache):
+def test_overlap_gives_the_plain_loops_outputs_under_random_load(batching, radix_cache, property_seeds):
     """Same tokens and finish reasons; without the prefix cache also the same
     retractions. (With it, the overlap inserts a prompt into the cache one step
     later, so a request arriving in between may miss it and admission differs.)"""
     retractions = 0
-    for seed in range(25):
+    for seed in property_seeds:
         on = random_load(seed, True, batching, radix_cache=radix_cache)
         off = random_load(seed, False, batching, radix_cache=radix_cache)
         assert streamed(on.outputs) == streamed(off.outputs), f"seed {seed}"
@@ -83,8 +83,8 @@ def test_overlap_gives_the_plain_loops_outputs_under_random_load(batching, radix
 
 
 @pytest.mark.parametrize("batching", ["continuous", "static"])
-def test_aborts_at_random_steps_with_overlap_cut_outputs_short_and_leak_nothing(batching):
-    for seed in range(25):
+def test_aborts_at_random_steps_with_overlap_cut_outputs_short_and_leak_nothing(batching, property_seeds):
+    for seed in property_seeds:
         cut = streamed(random_load(seed, True, batching, aborts=True).outputs)  # no leak either
         full = streamed(random_load(seed, False, batching).outputs)
         assert set(cut) == set(full)
