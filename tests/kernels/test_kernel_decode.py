@@ -35,8 +35,9 @@ def run_decode(gen: torch.Generator, lens: list[int], group: int, head_dim: int,
         assert err < REL_TOL[dtype], f"lens {lens} splits {num_splits} cap {logit_cap}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+# each head size and each dtype with every other case; not all four pairs (each case is
+# ~0.9 s in Triton's interpreter)
+@pytest.mark.parametrize("head_dim,dtype", [(64, torch.float32), (128, torch.float16)], ids=["64-f32", "128-f16"])
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_decode_mixed_batch(group: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator) -> None:
     # one ragged batch with every length; 4 splits leave a length-1 row with
