@@ -113,6 +113,9 @@ class ServerArgs:
     # matmul weights in its own block types (as llama.cpp and vLLM's `gguf` do); "none"
     # dequantizes them at load to --dtype (the path before quantized kernels, for side-by-side runs)
     quantization: str = ""
+    # products with a .gguf's blocks round x to 8-bit blocks first (llama.cpp's way; faster
+    # decode), where their type has an integer kernel (model_proc/quant/int8_act.py)
+    quantize_activations: bool = False
     device: str = "cpu"
     # default: triton on a CUDA device; on a CPU the native C++ op (torch if it cannot be
     # built, and torch with --deterministic, whose batch-invariant kernels are torch's)
@@ -364,6 +367,11 @@ class ServerArgs:
                             help="default: a .gguf model's matmul weights are served in the file's own "
                                  "block types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; gguf), with --dtype the "
                                  "activations' dtype; none: dequantized to --dtype at load")
+        parser.add_argument("--quantize-activations", action="store_true",
+                            help="with a .gguf's blocks: round the activations to 8-bit blocks and dot them "
+                                 "with the weights in integers, as llama.cpp does (Q4_0, Q4_1, Q8_0, Q4_K, "
+                                 "Q6_K): a faster decode, but a token's logprob from a prefill (score, prompt "
+                                 "logprobs) and from a decode step may then differ by the rounding")
         parser.add_argument("--device", default=d["device"].default)
         parser.add_argument("--attention-backend", default="", choices=["torch", "native", "triton"],
                             help="default: triton on a CUDA device; on a CPU native, the C++/OpenMP op over "

@@ -26,6 +26,7 @@ from common.peer_watch import PeerWatch, exit_when_lost
 from common.proc import ChildConfig, child_main_setup, freeze_startup_heap, model_proc_name, setup_logging
 from common.server_args import ServerArgs
 from model_proc.parallel import TensorParallel, init_tensor_parallel
+from model_proc.quant import weight as quant_weight
 from model_proc.runner import ModelRunner
 
 logger = logging.getLogger("model_proc")
@@ -62,6 +63,8 @@ def main() -> None:
             # a node's ranks share its cores: one OpenMP pool per rank, not one per core each
             torch.set_num_threads(threads)
         tp = init_tensor_parallel(rank, sa.tp_size, sa.dist_init_addr, device)
+        # one model a process: the switch is the quant package's (tests flip it in-process)
+        quant_weight.use_q8_activations = sa.quantize_activations
         try:
             runner = ModelRunner(sa, tp)
         except ValueError as e:  # flags that do not fit the model (e.g. --tp-size): the reason, no traceback

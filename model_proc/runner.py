@@ -31,6 +31,7 @@ from model_proc.penalties import PenaltyState
 from model_proc.sampler import Sampler, apply_token_bitmask, logprobs_of_ids
 from model_proc.step_inputs import StepInputBuilder, StepInputs
 from model_proc.step_stats import DecodeStepStats
+from model_proc.quant import weight as quant_weight
 from model_proc.quant.gguf_weights import GGUFWeights
 from model_proc.weights import CheckpointReader, resolve_model_path
 
@@ -93,8 +94,9 @@ class ModelRunner:
         with ckpt:
             self.model.load_weights(ckpt, quantized)  # this rank's shards; also packs the matmuls
         if quantized is not None:
-            logger.info("Weights: %d matmul weights in the GGUF's blocks (%.1f MiB)%s", len(quantized),
-                        quantized.nbytes / 2**20, "".join(
+            logger.info("Weights: %d matmul weights in the GGUF's blocks (%.1f MiB), activations %s%s",
+                        len(quantized), quantized.nbytes / 2**20,
+                        "rounded to 8 bits" if quant_weight.use_q8_activations else "in float32", "".join(
                             f"; {name} as {kind} dequantized to {dtype_name(self.dtype)}"
                             for name, kind in quantized.float_types.items()))
             # the model holds what it uses (a fused weight is a copy: q/k/v stacked); the file's

