@@ -18,7 +18,6 @@ import json
 import os
 
 import gguf
-import numpy as np
 import torch
 
 from bench.lib import bench_models

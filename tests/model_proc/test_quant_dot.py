@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import gguf
 import numpy as np
 import pytest
 import torch
 
 from model_proc import native
 from model_proc.quant import int8_act
-from model_proc.quant.ggml_types import GGMLType, block_shape, fp16_fields, row_bytes
+from model_proc.quant.ggml_types import GGMLType, block_shape, row_bytes
 from model_proc.quant.int8_act import Q8_ROUNDING, Q8_TYPES, Q8Rows, quant_matmul_q8, quantize_rows
+from tests.model_proc.gguf_blocks import bits, gguf_reference, on_native_path, quantized_blocks, random_blocks
 
 op = native.load(name="quant_dot")
 pytestmark = pytest.mark.skipif(op is None, reason=f"native quant_dot op not built: {native.failure('quant_dot')}")
@@ -30,29 +30,11 @@ def width(qtype: GGMLType) -> int:
     return 576 if block_shape(qtype)[0] == 32 else 512
 
 
-def random_blocks(qtype: GGMLType, n: int, k: int, seed: int) -> np.ndarray:
-    """uint8 [n, row_bytes]: random bytes (every code and scale pattern), the
-    fp16 scales overwritten with finite values of both signs, some zero."""
-    rng = np.random.default_rng(seed)
-    weights, nbytes = block_shape(qtype)
-    raw = rng.integers(0, 256, size=(n, k // weights, nbytes), dtype=np.uint8)
-    for off in fp16_fields(qtype):
-        scales = (rng.standard_normal(raw.shape[:2]) * 0.02).astype(np.float16)
-        scales.flat[::17] = 0.0
-        raw[..., off:off + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
-    return raw.reshape(n, -1)
-
-
 def weight_cases(qtype: GGMLType, k: int) -> list[np.ndarray]:
-    found = [random_blocks(qtype, N, k, seed=int(qtype))]
+    found = [random_blocks(qtype, N, k, seed=int(qtype), subnormal=False)]
     if qtype in QUANTIZABLE:  # as a converter writes them
-        data = np.random.default_rng(100 + int(qtype)).standard_normal((N, k)).astype(np.float32)
-        found.append(gguf.quants.quantize(data, gguf.GGMLQuantizationType(qtype)))
+        found.append(quantized_blocks(qtype, N, k, seed=100 + int(qtype)))
     return found
-
-
-def gguf_weight(blocks: np.ndarray, qtype: GGMLType) -> torch.Tensor:
-    return torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype)))
 
 
 def activations(m: int, k: int, seed: int) -> torch.Tensor:
@@ -66,13 +48,7 @@ def activations(m: int, k: int, seed: int) -> torch.Tensor:
 
 @pytest.fixture(params=["simd", "scalar"])
 def native_path(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "simd" and not op.simd():
-        pytest.skip("this build has no AVX2 path")
-    op.set_simd(request.param == "simd")
-    try:
-        yield request.param
-    finally:
-        op.set_simd(True)
+    yield from on_native_path(op, "quant_dot", request.param)
 
 
 def both_paths(fn):
@@ -84,10 +60,6 @@ def both_paths(fn):
         return a, fn()
     finally:
         op.set_simd(True)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
 
 
 def test_quantize_rows_layout_and_rounding() -> None:
@@ -152,7 +124,7 @@ def test_matches_the_float64_product_of_the_quantized_x(qtype: GGMLType, native_
     for raw in weight_cases(qtype, k):
         y = int8_act.matmul_q8(rows, torch.from_numpy(raw), qtype)
         assert y.shape == (6, N) and y.dtype == torch.float32
-        assert_close(y, rows.dequantize(), gguf_weight(raw, qtype), Q8_TOL)
+        assert_close(y, rows.dequantize(), gguf_reference(raw, qtype), Q8_TOL)
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
@@ -161,7 +133,7 @@ def test_slices_of_a_weight_are_weights(qtype: GGMLType) -> None:
     product with that slice of the weight."""
     k = width(qtype)
     raw = random_blocks(qtype, N, 2 * k, seed=7)
-    whole = gguf_weight(raw, qtype)
+    whole = gguf_reference(raw, qtype)
     blocks = torch.from_numpy(raw)
     half = row_bytes(qtype, k)
     x = activations(3, k, seed=3)
@@ -181,7 +153,7 @@ def test_against_the_float_x_within_the_8_bit_rounding(qtype: GGMLType, dtype: t
     k = width(qtype)
     x = activations(4, k, seed=5).to(dtype)
     raw = weight_cases(qtype, k)[-1]
-    blocks, w = torch.from_numpy(raw), gguf_weight(raw, qtype).double()
+    blocks, w = torch.from_numpy(raw), gguf_reference(raw, qtype).double()
     y = quant_matmul_q8(x, blocks, qtype, k)
     assert y.shape == (4, N) and y.dtype == dtype
     if dtype == torch.bfloat16:

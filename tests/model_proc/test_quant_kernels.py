@@ -14,8 +14,9 @@ import torch
 from model_proc import native
 from model_proc.quant import matmul
 from model_proc.quant.dequant import dequantize_torch
-from model_proc.quant.ggml_types import SUPPORTED, GGMLType, block_shape, fp16_fields, row_bytes
+from model_proc.quant.ggml_types import SUPPORTED, GGMLType, block_shape, row_bytes
 from model_proc.quant.matmul import dequantize, quant_matmul
+from tests.model_proc.gguf_blocks import bits, gguf_reference, on_native_path, quantized_blocks, random_blocks
 
 op = native.load(name="quant")
 needs_op = pytest.mark.skipif(op is None, reason=f"native quant op not built: {native.failure('quant')}")
@@ -26,31 +27,6 @@ N, K = 37, 512  # an odd row count (the gemv's tails), two K-quant blocks a row
 QUANTIZABLE = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0}
 
 
-def random_blocks(qtype: GGMLType, n: int, k: int, seed: int) -> np.ndarray:
-    """uint8 [n, row_bytes]: random bytes (every code, 6-bit scale and bit
-    pattern occurs), the fp16 scales overwritten with finite values of both
-    signs, some of them zero or subnormal."""
-    rng = np.random.default_rng(seed)
-    weights, nbytes = block_shape(qtype)
-    raw = rng.integers(0, 256, size=(n, k // weights, nbytes), dtype=np.uint8)
-    for off in fp16_fields(qtype):
-        scales = (rng.standard_normal(raw.shape[:2]) * 0.02).astype(np.float16)
-        scales.flat[::17] = 0.0
-        scales.flat[5::23] = np.float16(3e-6)  # subnormal in fp16
-        raw[..., off:off + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
-    return raw.reshape(n, -1)
-
-
-def quantized_blocks(qtype: GGMLType, n: int, k: int, seed: int) -> np.ndarray:
-    """uint8 [n, row_bytes] as a converter writes them: gguf-py quantizing random floats."""
-    data = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    return gguf.quants.quantize(data, gguf.GGMLQuantizationType(qtype))
-
-
-def gguf_reference(blocks: np.ndarray, qtype: GGMLType) -> torch.Tensor:
-    return torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype)))
-
-
 def cases(qtype: GGMLType) -> list[np.ndarray]:
     found = [random_blocks(qtype, N, K, seed=int(qtype))]
     if qtype in QUANTIZABLE:
@@ -58,23 +34,10 @@ def cases(qtype: GGMLType) -> list[np.ndarray]:
     return found
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """float32 as its bit patterns: equal only when bit for bit (-0.0 is not 0.0)."""
-    return t.contiguous().view(torch.int32)
-
-
 @pytest.fixture(params=["simd", "scalar"])
 def native_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """The native op's AVX2 path (where this build has it) and its scalar one."""
-    if op is None:
-        pytest.skip(f"native quant op not built: {native.failure('quant')}")
-    if request.param == "simd" and not op.simd():
-        pytest.skip("this build has no AVX2 path")
-    op.set_simd(request.param == "simd")
-    try:
-        yield request.param
-    finally:
-        op.set_simd(True)
+    yield from on_native_path(op, "quant", request.param)
 
 
 def test_block_shapes_agree_with_gguf_py_and_the_native_op() -> None:
