@@ -44,9 +44,9 @@ import zmq
 
 from common.cpu_runtime import CpuAllocator, allocator_preload, with_omp_spin, with_preload
 from common.ipc import PullSocket
-from common.messages import IpcPaths, ModelInfo, ReadyMsg
+from common.messages import IpcPaths, ReadyMsg
 from common.peer_watch import remove_pids, write_pids, write_stop_reason
-from common.proc import ChildConfig, child_env, model_proc_name, setup_logging
+from common.proc import ChildConfig, child_env, model_proc_name, publish_model_info, setup_logging
 from common.server_args import ServerArgs
 
 logger = logging.getLogger("launch")
@@ -78,8 +78,8 @@ class Launcher:
     def stop_requested(self) -> bool:
         return self.signals_received > 0
 
-    def spawn(self, name: str, module: str, model_info: ModelInfo | None, tp_rank: int = 0) -> None:
-        cfg = ChildConfig(server_args=self.args, ipc=self.ipc, model_info=model_info, tp_rank=tp_rank)
+    def spawn(self, name: str, module: str, tp_rank: int = 0) -> None:
+        cfg = ChildConfig(server_args=self.args, ipc=self.ipc, tp_rank=tp_rank)
         env = child_env(cfg)
         if module == "model_proc":  # its allocator and OpenMP settings must be in place before it starts
             env = with_omp_spin(with_preload(env, self.model_preload), self.args.device)
@@ -121,7 +121,7 @@ class Launcher:
         names = set()
         for rank in self.local_tp_ranks():
             names.add(model_proc_name(rank))
-            self.spawn(model_proc_name(rank), "model_proc", None, tp_rank=rank)
+            self.spawn(model_proc_name(rank), "model_proc", tp_rank=rank)
         if self.args.tp_size > 1:
             logger.info("model ranks %s of %d started (rendezvous %s)", sorted(names),
                         self.args.tp_size, self.args.dist_init_addr)
@@ -132,15 +132,17 @@ class Launcher:
         model_names = self.spawn_model_ranks()
         if self.args.node_rank > 0:
             return self.run_model_node(model_names)
+        # started now, they import while the model loads, then wait for its ModelInfo
+        self.spawn("scheduler", "scheduler_proc")
+        self.spawn("tokenizer", "tokenizer_proc")
+        write_pids(self.ipc_dir, {name: p.pid for name, p in self.children.items()})
         # rank 0 is ready only once every rank has joined and loaded its shard
         model_info = self.wait_ready(model_names)["model"].model_info
         assert model_info is not None
         logger.info("model ready: %s, context %d, KV pool %d tokens (%.1f MiB)",
                     model_info.model_path, model_info.context_len, model_info.max_total_tokens,
                     model_info.kv_cache_bytes / 2**20)
-        self.spawn("scheduler", "scheduler_proc", model_info)
-        self.spawn("tokenizer", "tokenizer_proc", model_info)
-        write_pids(self.ipc_dir, {name: p.pid for name, p in self.children.items()})
+        publish_model_info(self.ipc_dir, model_info)
         self.wait_ready({"scheduler", "tokenizer"})
         print(f"The server is ready at http://{self.args.host}:{self.args.port}", flush=True)
         while not self.stop_requested:

@@ -1,6 +1,7 @@
 """What every child process does at start: read its launch config, tie its life
-to the parent's, set up logging; and, once it is set up, put its startup heap
-out of the garbage collector's reach."""
+to the parent's, set up logging, wait for the model's ModelInfo (the scheduler
+and the tokenizer process); and, once it is set up, put its startup heap out of
+the garbage collector's reach."""
 
 from __future__ import annotations
 
@@ -10,15 +11,19 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import msgspec
 
 from common.messages import IpcPaths, ModelInfo
+from common.peer_watch import socket_dir
 from common.server_args import ServerArgs
 
 
 CHILD_CONFIG_ENV = "BATCHSERVE_CHILD_CONFIG"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_INFO_FILE = "model_info.json"  # in the private socket folder, once the model is ready
+MODEL_INFO_POLL_S = 0.01
 
 
 class ChildConfig(msgspec.Struct):
@@ -56,6 +61,33 @@ def child_main_setup(proc_name: str) -> ChildConfig:
     # group, so children ignore SIGINT and wait for launch.py's SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     return cfg
+
+
+def publish_model_info(folder: str, info: ModelInfo) -> None:
+    """launch.py, once model rank 0 is ready: the ModelInfo the scheduler and
+    the tokenizer process wait for, written atomically."""
+    tmp = os.path.join(folder, MODEL_INFO_FILE + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.encode(info))
+    os.replace(tmp, os.path.join(folder, MODEL_INFO_FILE))
+
+
+def wait_model_info(cfg: ChildConfig) -> ModelInfo:
+    """The model's ModelInfo: from the config where launch.py had it at the
+    start, else from the socket folder once the model is ready. launch.py starts
+    the scheduler and the tokenizer process beside the model process, so their
+    imports (torch alone ~1.5 s) overlap its load instead of following it; if
+    the model fails to start, launch.py stops this process while it waits."""
+    if cfg.model_info is not None:
+        return cfg.model_info
+    path = os.path.join(socket_dir(cfg.ipc), MODEL_INFO_FILE)
+    while True:
+        try:
+            with open(path, "rb") as f:
+                cfg.model_info = msgspec.json.decode(f.read(), type=ModelInfo)
+            return cfg.model_info
+        except FileNotFoundError:
+            time.sleep(MODEL_INFO_POLL_S)
 
 
 def freeze_startup_heap() -> None:

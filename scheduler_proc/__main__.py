@@ -20,7 +20,7 @@ import zmq
 from common.ipc import PullSocket, PushSocket
 from common.messages import ReadyMsg, SchedulerHeartbeat, ToSchedulerMsg
 from common.peer_watch import PeerWatch, exit_when_lost
-from common.proc import child_main_setup, freeze_startup_heap
+from common.proc import child_main_setup, freeze_startup_heap, wait_model_info
 from scheduler_proc.model_client import ZmqModelClient
 from scheduler_proc.create import create_scheduler
 from scheduler_proc.watchdog import HEARTBEAT_S, WatchdogTimeout
@@ -35,13 +35,13 @@ LAST_WORD_S = 0.5
 
 def main() -> None:
     cfg = child_main_setup("scheduler")
-    assert cfg.model_info is not None, "the scheduler needs the model process's ModelInfo"
+    model_info = wait_model_info(cfg)
     exit_when_lost(PeerWatch(cfg.ipc, "scheduler"), logger)
     ctx = zmq.Context()
     requests: PullSocket[ToSchedulerMsg] = PullSocket(ctx, cfg.ipc.scheduler_input, ToSchedulerMsg)
     to_tokenizer = PushSocket(ctx, cfg.ipc.tokenizer_input)
     model = ZmqModelClient(ctx, cfg.ipc, wait_poll_s=HEARTBEAT_S)
-    scheduler = create_scheduler(cfg.server_args, cfg.model_info, model, to_tokenizer.send)
+    scheduler = create_scheduler(cfg.server_args, model_info, model, to_tokenizer.send)
     model.on_wait = scheduler.tick
 
     def recv_requests(timeout_s: float | None) -> list[ToSchedulerMsg]:
@@ -55,7 +55,7 @@ def main() -> None:
     to_launcher = PushSocket(ctx, cfg.ipc.launcher)
     to_launcher.send(ReadyMsg(proc="scheduler", pid=os.getpid()))
     logger.info("scheduler ready: max_running_requests=%d, max_total_tokens=%d",
-                cfg.server_args.max_running_requests, cfg.model_info.max_total_tokens)
+                cfg.server_args.max_running_requests, model_info.max_total_tokens)
     freeze_startup_heap()
     try:
         scheduler.event_loop(recv_requests)

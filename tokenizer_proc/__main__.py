@@ -21,7 +21,7 @@ import zmq
 from common.ipc import PushSocket
 from common.messages import ReadyMsg
 from common.peer_watch import PeerWatch, read_stop_reason, socket_dir
-from common.proc import ChildConfig, child_main_setup, freeze_startup_heap
+from common.proc import ChildConfig, child_main_setup, freeze_startup_heap, wait_model_info
 from tokenizer_proc.connections import raise_open_file_limit
 from tokenizer_proc.http_server import MANAGER, build_app, start_http
 from tokenizer_proc.shutdown import Shutdown
@@ -69,10 +69,9 @@ async def serve(cfg: ChildConfig, tokenizer: Tokenizer) -> int:
 def main() -> None:
     cfg = child_main_setup("tokenizer")
     logger.info("open-file limit %d", raise_open_file_limit())  # every connection is a descriptor
-    if cfg.model_info is None:
-        raise SystemExit("tokenizer_proc needs model_info in its config")
+    model_info = wait_model_info(cfg)
     try:
-        tokenizer = load_tokenizer(cfg.model_info.tokenizer_path, cfg.server_args.chat_template_text())
+        tokenizer = load_tokenizer(model_info.tokenizer_path, cfg.server_args.chat_template_text())
     except ValueError as e:  # --chat-template refused: one line, not a traceback
         raise SystemExit(f"tokenizer_proc: {e}") from None
     sys.exit(uvloop.run(serve(cfg, tokenizer)))
