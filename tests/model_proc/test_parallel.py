@@ -44,22 +44,28 @@ def weight_numel(runner: ModelRunner) -> int:
     return sum(p.numel() for p in runner.model.parameters()) + sum(p.numel() for p in packed)
 
 
-def _rank_main(rank: int, size: int, addr: str, model: str, out_dir: str) -> None:
+def _rank_main(rank: int, size: int, addr: str, models: dict[str, str], out_dir: str) -> None:
+    """One rank of `size`: every model of that size in turn, over one group
+    (a spawn per model cost ~2.5 s of process start and imports)."""
     torch.set_num_threads(1)  # N ranks on 2 cores
     tp = init_tensor_parallel(rank, size, addr, torch.device("cpu"))
     try:
-        runner = ModelRunner(runner_args(model), tp)
-        logits, greedy = logits_and_greedy(runner)
-        torch.save({"logits": logits, "greedy": greedy, "params": weight_numel(runner),
-                    "kv_shape": tuple(runner.kv_pool.k_buffer[0].shape)}, os.path.join(out_dir, f"{rank}.pt"))
+        for case, model in models.items():
+            runner = ModelRunner(runner_args(model), tp)
+            logits, greedy = logits_and_greedy(runner)
+            torch.save({"logits": logits, "greedy": greedy, "params": weight_numel(runner),
+                        "kv_shape": tuple(runner.kv_pool.k_buffer[0].shape)},
+                       os.path.join(out_dir, f"{case}.{rank}.pt"))
+            del runner
     finally:
         tp.close()
 
 
-def run_ranks(size: int, model: str, out_dir: str) -> list[dict[str, Any]]:
-    mp.start_processes(_rank_main, args=(size, f"127.0.0.1:{free_port()}", model, out_dir), nprocs=size,
+def run_ranks(size: int, models: dict[str, str], out_dir: str) -> dict[str, list[dict[str, Any]]]:
+    """Each case's per-rank results, from one spawn of `size` ranks."""
+    mp.start_processes(_rank_main, args=(size, f"127.0.0.1:{free_port()}", models, out_dir), nprocs=size,
                        start_method="spawn")
-    return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(size)]
+    return {case: [torch.load(os.path.join(out_dir, f"{case}.{r}.pt")) for r in range(size)] for case in models}
 
 
 # (tp size, tiny-model overrides): heads split evenly; one KV head copied to
@@ -82,16 +88,29 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Every case's per-rank results: one spawn per tp size."""
+    root = tmp_path_factory.mktemp("tp_cases")
+    models = {case: make_tiny_llama(str(root / case), seed=3, **overrides)
+              for case, (_, overrides) in CASES.items()}
+    results: dict[str, list[dict[str, Any]]] = {}
+    for size in sorted({size for size, _ in CASES.values()}):
+        out = root / f"out{size}"
+        out.mkdir()
+        results.update(run_ranks(size, {c: m for c, m in models.items() if CASES[c][0] == size}, str(out)))
+    return results
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_tensor_parallel_logits_and_greedy_tokens_equal_one_process(case, tmp_path):
+def test_tensor_parallel_logits_and_greedy_tokens_equal_one_process(case, tp_results, tmp_path):
     size, overrides = CASES[case]
-    model = make_tiny_llama(str(tmp_path / "model"), seed=3, **overrides)
+    model = make_tiny_llama(str(tmp_path / "model"), seed=3, **overrides)  # the same seed: the same weights
     single = ModelRunner(runner_args(model))
     ref_logits, ref_greedy = logits_and_greedy(single)
     ref_params = weight_numel(single)
-    out = tmp_path / "out"
-    out.mkdir()
-    ranks = run_ranks(size, model, str(out))
+    ranks = tp_results[case]
+    assert len(ranks) == size
     scale = ref_logits.abs().max().item()
     for r, res in enumerate(ranks):
         # float32 with the sums in another order: rounding only
