@@ -83,7 +83,9 @@ def is_inline_chat_template(value: str) -> bool:
 
 
 # --quantization's choices ("": a .gguf file's own blocks, as "gguf"; see ServerArgs.quantization)
-QUANTIZATIONS = ("", "gguf", "none")
+QUANTIZATIONS = ("", "gguf", "none", "int8", "int4", "w8a8_int8")
+# those that round a Hugging Face folder's float weights into blocks at load (model_proc/quant/quantize.py)
+QUANTIZED_AT_LOAD = ("int8", "int4", "w8a8_int8")
 
 # --reasoning-parser's choices (tokenizer_proc/reasoning.py's ReasoningParser)
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
@@ -111,7 +113,9 @@ class ServerArgs:
     dtype: str = "auto"
     # how the weights are stored and multiplied (model_proc/quant/): "" serves a .gguf file's
     # matmul weights in its own block types (as llama.cpp and vLLM's `gguf` do); "none"
-    # dequantizes them at load to --dtype (the path before quantized kernels, for side-by-side runs)
+    # dequantizes them at load to --dtype (the path before quantized kernels, for side-by-side runs);
+    # int8 / int4 / w8a8_int8 round a Hugging Face folder's layer weights into Q8_0 / Q4_1 / Q8_0
+    # blocks at load (w8a8_int8 with 8-bit activations)
     quantization: str = ""
     # products with a .gguf's blocks round x to 8-bit blocks first (llama.cpp's way; faster
     # decode), where their type has an integer kernel (model_proc/quant/int8_act.py)
@@ -238,6 +242,9 @@ class ServerArgs:
                              f"not {self.quantization!r}")
         if self.quantization == "gguf" and not self.model_path.endswith(".gguf"):
             raise ValueError(f"--quantization gguf needs a .gguf model, not {self.model_path!r}")
+        if self.quantization in QUANTIZED_AT_LOAD and self.model_path.endswith(".gguf"):
+            raise ValueError(f"--quantization {self.quantization} rounds a Hugging Face folder's float weights; "
+                             f"a .gguf is served in its own blocks (the default) or dequantized (none)")
         if not self.attention_backend:
             if self.device.startswith("cuda"):
                 self.attention_backend = "triton"
@@ -334,6 +341,11 @@ class ServerArgs:
             return f.read()
 
     @property
+    def int8_activations(self) -> bool:
+        """Products with quantized blocks round x to 8-bit blocks first."""
+        return self.quantize_activations or self.quantization == "w8a8_int8"
+
+    @property
     def tp_ranks_per_node(self) -> int:
         return self.tp_size // self.nnodes
 
@@ -366,7 +378,10 @@ class ServerArgs:
         parser.add_argument("--quantization", default=d["quantization"].default, choices=QUANTIZATIONS,
                             help="default: a .gguf model's matmul weights are served in the file's own "
                                  "block types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; gguf), with --dtype the "
-                                 "activations' dtype; none: dequantized to --dtype at load")
+                                 "activations' dtype; none: dequantized to --dtype at load; int8, int4: a "
+                                 "Hugging Face folder's layer weights rounded at load to int8 (Q8_0) or 4-bit "
+                                 "(Q4_1) blocks of 32 weights with float16 scales; w8a8_int8: int8 weights "
+                                 "and 8-bit activations (as --quantize-activations)")
         parser.add_argument("--quantize-activations", action="store_true",
                             help="with a .gguf's blocks: round the activations to 8-bit blocks and dot them "
                                  "with the weights in integers, as llama.cpp does (Q4_0, Q4_1, Q8_0, Q4_K, "

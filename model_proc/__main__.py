@@ -64,7 +64,7 @@ def main() -> None:
             torch.set_num_threads(threads)
         tp = init_tensor_parallel(rank, sa.tp_size, sa.dist_init_addr, device)
         # one model a process: the switch is the quant package's (tests flip it in-process)
-        quant_weight.use_q8_activations = sa.quantize_activations
+        quant_weight.use_q8_activations = sa.int8_activations
         try:
             runner = ModelRunner(sa, tp)
         except ValueError as e:  # flags that do not fit the model (e.g. --tp-size): the reason, no traceback

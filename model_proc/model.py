@@ -49,7 +49,7 @@ from model_proc.layers import (HooklessModule, Linear, ParallelLMHead, RowParall
                                apply_rope_, fold_norm_weight, head_rms_norm_, move_packed_onto_huge_pages)
 from model_proc.model_config import SUPPORTED_MODEL_TYPES, Activation, ModelConfig  # noqa: F401 (re-exported)
 from model_proc.parallel import SINGLE, TensorParallel, shard_heads, shard_range
-from model_proc.quant.gguf_weights import GGUFWeights
+from model_proc.quant import QuantizedWeights
 from model_proc.quant.weight import QuantWeight
 from model_proc.row_blocks import pad_rows, padded_rows
 from model_proc.weights import CheckpointReader
@@ -311,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
         return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
     @torch.no_grad()
-    def load_weights(self, ckpt: CheckpointReader, quantized: GGUFWeights | None = None) -> None:
+    def load_weights(self, ckpt: CheckpointReader, quantized: QuantizedWeights | None = None) -> None:
         """Read this rank's shard of every weight from a Hugging Face checkpoint,
         tensor by tensor (fusing q/k/v and gate/up, folding each RMSNorm weight
         into the next matmul), then prepare the matmuls for the device. Call

@@ -20,7 +20,7 @@ import time
 import torch
 
 from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardMode, ForwardResult, ModelInfo
-from common.server_args import ServerArgs
+from common.server_args import QUANTIZED_AT_LOAD, ServerArgs
 from model_proc.attention import create_attention_backend, layer_attention
 from model_proc.dtypes import dtype_name, resolve_dtype
 from model_proc.kv_cache import KVPool, ReqToTokenTable, kv_pool_size, window_pool_size
@@ -32,7 +32,9 @@ from model_proc.sampler import Sampler, apply_token_bitmask, logprobs_of_ids
 from model_proc.step_inputs import StepInputBuilder, StepInputs
 from model_proc.step_stats import DecodeStepStats
 from model_proc.quant import weight as quant_weight
+from model_proc.quant import QuantizedWeights
 from model_proc.quant.gguf_weights import GGUFWeights
+from model_proc.quant.quantize import AT_LOAD_TYPES, QuantizedAtLoad
 from model_proc.weights import CheckpointReader, resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -59,9 +61,12 @@ class ModelRunner:
         # this rank's KV heads (a clear error here if --tp-size does not fit the model)
         kv_heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size).num_kv_heads
         ckpt = CheckpointReader(self.model_path)
-        # a GGUF file's matmul weights as its own blocks (model_proc/quant/)
-        quantized = GGUFWeights(sa.model_path, ckpt.names(), cfg.num_heads, cfg.num_kv_heads) \
-            if sa.model_path.endswith(".gguf") and sa.quantization != "none" else None
+        # a GGUF file's matmul weights as its own blocks, or a folder's rounded into blocks (model_proc/quant/)
+        quantized: QuantizedWeights | None = None
+        if sa.model_path.endswith(".gguf") and sa.quantization != "none":
+            quantized = GGUFWeights(sa.model_path, ckpt.names(), cfg.num_heads, cfg.num_kv_heads)
+        elif sa.quantization in QUANTIZED_AT_LOAD:
+            quantized = QuantizedAtLoad(ckpt, AT_LOAD_TYPES[sa.quantization])
         # sliding layers in a window pool of their own (scheduler_proc/window_pool.py)
         windowed = [w is not None for w in cfg.layer_windows] \
             if cfg.sliding and not sa.disable_hybrid_swa_memory and sa.batching == "continuous" else []
@@ -94,11 +99,13 @@ class ModelRunner:
         with ckpt:
             self.model.load_weights(ckpt, quantized)  # this rank's shards; also packs the matmuls
         if quantized is not None:
-            logger.info("Weights: %d matmul weights in the GGUF's blocks (%.1f MiB), activations %s%s",
-                        len(quantized), quantized.nbytes / 2**20,
+            source = "the GGUF's blocks" if isinstance(quantized, GGUFWeights) \
+                else f"{AT_LOAD_TYPES[sa.quantization].name} blocks rounded at load (--quantization {sa.quantization})"
+            logger.info("Weights: %d matmul weights in %s (%.1f MiB), activations %s%s",
+                        len(quantized), source, quantized.nbytes / 2**20,
                         "rounded to 8 bits" if quant_weight.use_q8_activations else "in float32", "".join(
-                            f"; {name} as {kind} dequantized to {dtype_name(self.dtype)}"
-                            for name, kind in quantized.float_types.items()))
+                            f"; {name} in {dtype_name(self.dtype)} ({why})"
+                            for name, why in quantized.float_types.items()))
             # the model holds what it uses (a fused weight is a copy: q/k/v stacked); the file's
             # separate tensors would double them
             del quantized
@@ -360,7 +367,7 @@ def _eos_token_ids(folder: str, config: dict) -> list[int]:
     return found
 
 
-def weight_bytes_of(ckpt: CheckpointReader, quantized: GGUFWeights | None, dtype: torch.dtype) -> int:
+def weight_bytes_of(ckpt: CheckpointReader, quantized: QuantizedWeights | None, dtype: torch.dtype) -> int:
     """Bytes the weights take in memory, roughly (the KV pool gets what is left):
     quantized blocks as they are, every other tensor in `dtype`."""
     dense = [name for name in ckpt.names() if quantized is None or quantized.get(name) is None]

@@ -19,7 +19,9 @@ the same tokens:
   with the server's default attention backend (native on a CPU with
   AVX512_BF16 or AMX: the native matmuls, rotary, norms and attention, the
   fused decoder), in bfloat16 with the torch attention backend (the native
-  matmuls, torch's SDPA), and in float32.
+  matmuls, torch's SDPA), and in float32; in float32 on a GGUF's own blocks
+  (a .gguf --model-path), and on the folder's layer weights rounded at load
+  by --quantization int8, int4 and w8a8_int8.
 
 Per variant, over every position (the prompt's, from the extend, and the
 answer's, from the decode steps): the mean KL(float32 || variant) of the
@@ -188,12 +190,23 @@ class Variant(enum.Enum):
     # product in float32 (the server's default)
     OURS_BLOCKS = "ours float32, the GGUF's blocks, 8-bit activations"
     OURS_BLOCKS_F32 = "ours float32, the GGUF's blocks"
+    # a Hugging Face folder's layer weights rounded into blocks at load (--quantization)
+    OURS_INT8 = "ours float32, --quantization int8 (Q8_0)"
+    OURS_INT4 = "ours float32, --quantization int4 (Q4_1)"
+    OURS_W8A8 = "ours float32, --quantization w8a8_int8"
+
+
+BLOCK_VARIANTS = (Variant.OURS_BLOCKS, Variant.OURS_BLOCKS_F32)  # a GGUF --model-path's only
+AT_LOAD = {Variant.OURS_INT8: "int8", Variant.OURS_INT4: "int4", Variant.OURS_W8A8: "w8a8_int8"}
+FLOAT32_VARIANTS = (Variant.OURS_F32, *BLOCK_VARIANTS, *AT_LOAD)
 
 
 def runner_args(variant: Variant, model_path: str, context: int) -> ServerArgs:
     """model_path: the GGUF for a blocks variant, else the Hugging Face folder."""
-    dtype = "float32" if variant in (Variant.OURS_F32, Variant.OURS_BLOCKS, Variant.OURS_BLOCKS_F32) else "bfloat16"
-    extra = {"attention_backend": "torch"} if variant is Variant.OURS_BF16_TORCH else {}
+    dtype = "float32" if variant in FLOAT32_VARIANTS else "bfloat16"
+    extra: dict[str, str] = {"attention_backend": "torch"} if variant is Variant.OURS_BF16_TORCH else {}
+    if variant in AT_LOAD:
+        extra["quantization"] = AT_LOAD[variant]
     return ServerArgs(model_path=model_path, dtype=dtype, max_running_requests=1, context_length=context,
                       max_total_tokens=context, **extra)
 
@@ -299,8 +312,7 @@ def measure(model_path: str, prompts: list[list[int]], steps: int, variants: lis
     del ref_model
     context = max(len(p) for p in prompts) + steps + 1
     # blocks are a GGUF's own: no such variant for a Hugging Face folder
-    variants = [v for v in variants
-                if v not in (Variant.OURS_BLOCKS, Variant.OURS_BLOCKS_F32) or model_path.endswith(".gguf")]
+    variants = [v for v in variants if v not in BLOCK_VARIANTS or model_path.endswith(".gguf")]
     tallies = {v: Tally() for v in variants}
     first_tokens = {}
     for v, logits_of in variant_logits(folder, variants, context, model_path):
@@ -324,9 +336,12 @@ def variant_logits(folder: str, variants: list[Variant], context: int, model_pat
         if v is Variant.HF_BF16:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
             yield v, lambda p, a, m=model: hf_logits(m, p, a)
-        elif v in (Variant.OURS_BLOCKS, Variant.OURS_BLOCKS_F32):
+        elif v in BLOCK_VARIANTS:
             runner = ModelRunner(runner_args(v, model_path, context))
             yield v, lambda p, a, r=runner, q8=v is Variant.OURS_BLOCKS: blocks_logits(r, p, a, q8)
+        elif v in AT_LOAD:
+            runner = ModelRunner(runner_args(v, folder, context))
+            yield v, lambda p, a, r=runner, q8=v is Variant.OURS_W8A8: blocks_logits(r, p, a, q8)
         else:
             runner = ModelRunner(runner_args(v, folder, context))
             yield v, lambda p, a, r=runner: runner_logits(r, p, a)
@@ -340,7 +355,8 @@ def report(command: str, m: Measured, prompts: list[list[int]], steps: int, toke
     lens = [len(p) for p in prompts]
     hf = m.tallies.get(Variant.HF_BF16)
     hf_kl = hf.summary()["mean_kl"] if hf else None
-    lines = [f"## bfloat16 against float32: ours and transformers', {datetime.date.today().isoformat()}", "",
+    lines = [f"## bfloat16 and quantized weights against float32: ours and transformers', "
+             f"{datetime.date.today().isoformat()}", "",
              f"`{command}`", "",
              f"{len(prompts)} prompts ({sum(k == 'chat' for k, _ in PROMPTS[:len(prompts)])} chat, the rest plain "
              f"text; {min(lens)}-{max(lens)} tokens, {sum(lens)} in all), each with the float32 greedy answer of "
@@ -361,6 +377,12 @@ def report(command: str, m: Measured, prompts: list[list[int]], steps: int, toke
     lines += ["", f"The first prompt's first answer token (float32 {tokenizer.decode([m.reference_first])!r}, its "
               f"top two logits {m.first_gap:.3f} apart): {first}."]
     return "\n".join(lines) + "\n"
+
+
+def model_label(model_path: str) -> str:
+    """A record label from a --model-path: its file or folder name, in [A-Za-z0-9_-]."""
+    name = os.path.basename(model_path.rstrip("/")).removesuffix(".gguf")
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
@@ -389,7 +411,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         record_run(text, "bench.micro.bf16_accuracy",
                    data=[{"variant": k, **{n: round(x, 8) if isinstance(x, float) else x for n, x in s.items()}}
                          for k, s in summaries.items()],
-                   load_average=LoadAverage(load0, loadavg()))
+                   load_average=LoadAverage(load0, loadavg()),
+                   # another model's run is a record of its own, beside the default model's
+                   label=None if args.model_path is None else model_label(args.model_path))
     return summaries
 
 

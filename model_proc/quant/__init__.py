@@ -3,4 +3,28 @@
 (dequant, the reference and the fallback) and the matmul that runs on the
 blocks themselves (matmul: the native op model_proc/native/quant.cpp for
 decode, row tiles dequantized on the fly for prefill), with no float copy of
-a weight kept."""
+a weight kept.
+
+A Hugging Face folder's float weights can be rounded into the same blocks at
+load (quantize: `--quantization int8 / int4 / w8a8_int8`)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from model_proc.quant.weight import QuantWeight
+
+
+class QuantizedWeights(Protocol):
+    """The matmul weights a model takes as blocks, by Hugging Face name: a
+    GGUF file's (gguf_weights.GGUFWeights) or a folder's rounded at load
+    (quantize.QuantizedAtLoad)."""
+
+    float_types: dict[str, str]  # matmul weights left in --dtype, and why (for the start-up log)
+
+    def get(self, hf_name: str) -> QuantWeight | None: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def __len__(self) -> int: ...

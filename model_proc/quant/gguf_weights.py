@@ -68,7 +68,7 @@ class GGUFWeights:
             except ValueError:
                 qtype = None
             if qtype not in SUPPORTED:
-                self.float_types[hf] = _type_name(t.ggml_type)
+                self.float_types[hf] = f"{_type_name(t.ggml_type)} in the file, dequantized"
                 continue
             k, n = t.shape  # GGUF lists dimensions innermost first
             # copied out of the mapping: the weights stay in memory, not in the page cache

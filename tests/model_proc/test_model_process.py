@@ -114,6 +114,31 @@ def test_model_process_dies_on_a_bad_batch(model_process):
     assert proc.wait(timeout=30) != 0
 
 
+def one_extend_in_a_model_process(args: ServerArgs, prompt: list[int], folder: str) -> tuple[ForwardResult, str]:
+    """A real `python -m model_proc` for `args`: one greedy extend of `prompt`
+    with its logprob; the result and the process's log."""
+    ipc = IpcPaths.in_dir(folder)
+    ctx = zmq.Context()
+    launcher = PullSocket(ctx, ipc.launcher, ReadyMsg)
+    results = PullSocket(ctx, ipc.model_output, ForwardResult)
+    proc = subprocess.Popen([sys.executable, "-m", "model_proc"], cwd=REPO, stderr=subprocess.PIPE, text=True,
+                            env=child_env(ChildConfig(server_args=args, ipc=ipc)))
+    try:
+        assert launcher.recv(timeout_ms=120_000) is not None, "model process sent no ReadyMsg"
+        n = len(prompt)
+        batch = ForwardBatch(ForwardMode.EXTEND, [1], [n], [0], prompt, list(range(1, n + 1)),
+                             [0.0], [1.0], [-1], [0.0], [-1], [0], return_logprob=True)
+        batches = PushSocket(ctx, ipc.model_input)  # kept: a socket closed at once may drop its message
+        batches.send(batch)
+        out = results.recv(timeout_ms=60_000)
+    finally:
+        proc.terminate()
+        _, log = proc.communicate(timeout=10)
+        ctx.destroy(linger=0)
+    assert out is not None, log[-3000:]
+    return out, log
+
+
 def test_quantize_activations_reaches_the_model_process_and_rounds_its_products(tmp_path):
     """--quantize-activations on the default GGUF: the model process's products
     take 8-bit activations (its log says so), so a prompt's next-token logprob
@@ -126,30 +151,34 @@ def test_quantize_activations_reaches_the_model_process_and_rounds_its_products(
     prompt = [1, 504, 3458, 282, 4649, 314]  # "<|im_start|>The capital of France is"
     answers = {}
     for on in (False, True):
-        ipc = IpcPaths.in_dir(str(tmp_path / str(on)))
         os.makedirs(tmp_path / str(on))
         args = ServerArgs(model_path=gguf, dtype="float32", max_total_tokens=64, max_running_requests=1,
                           quantize_activations=on)
-        ctx = zmq.Context()
-        launcher = PullSocket(ctx, ipc.launcher, ReadyMsg)
-        results = PullSocket(ctx, ipc.model_output, ForwardResult)
-        proc = subprocess.Popen([sys.executable, "-m", "model_proc"], cwd=REPO, stderr=subprocess.PIPE, text=True,
-                                env=child_env(ChildConfig(server_args=args, ipc=ipc)))
-        try:
-            assert launcher.recv(timeout_ms=120_000) is not None, "model process sent no ReadyMsg"
-            n = len(prompt)
-            batch = ForwardBatch(ForwardMode.EXTEND, [1], [n], [0], prompt, list(range(1, n + 1)),
-                                 [0.0], [1.0], [-1], [0.0], [-1], [0], return_logprob=True)
-            batches = PushSocket(ctx, ipc.model_input)  # kept: a socket closed at once may drop its message
-            batches.send(batch)
-            out = results.recv(timeout_ms=60_000)
-        finally:
-            proc.terminate()
-            _, log = proc.communicate(timeout=10)
-            ctx.destroy(linger=0)
-        assert out is not None, log[-3000:]
+        out, log = one_extend_in_a_model_process(args, prompt, str(tmp_path / str(on)))
         answers[on] = (out.next_token_ids[0], out.next_token_logprobs[0])
         assert ("activations rounded to 8 bits" if on else "activations in float32") in log
     (token_f, lp_f), (token_q, lp_q) = answers[False], answers[True]
     assert token_f == token_q
     assert 1e-6 < abs(lp_f - lp_q) < 0.5, (lp_f, lp_q)
+
+
+def test_quantization_w8a8_int8_rounds_a_folders_weights_and_activations_in_the_model_process(
+        tiny_llama_dir, tmp_path):
+    """--quantization w8a8_int8 on a Hugging Face folder: the model process
+    rounds the layer weights into Q8_0 blocks at load and the activations to
+    8 bits (its log says both); its answer is the in-process runner's."""
+    from model_proc.quant import weight as quant_weight
+    from model_proc.runner import ModelRunner
+    from tests.helpers import RunnerDriver
+
+    args = ServerArgs(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=64, max_running_requests=1,
+                      quantization="w8a8_int8")
+    out, log = one_extend_in_a_model_process(args, PROMPT, str(tmp_path))
+    assert "14 matmul weights in Q8_0 blocks rounded at load (--quantization w8a8_int8)" in log, log[-2000:]
+    assert "activations rounded to 8 bits" in log
+    saved, quant_weight.use_q8_activations = quant_weight.use_q8_activations, True
+    try:
+        expected = RunnerDriver(ModelRunner(args), seed=0).greedy([PROMPT], 1)[0]
+    finally:
+        quant_weight.use_q8_activations = saved
+    assert list(out.next_token_ids) == expected

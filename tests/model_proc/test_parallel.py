@@ -27,8 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def runner_args(model: str) -> ServerArgs:
-    return ServerArgs(model_path=model, dtype="float32", max_total_tokens=512, max_running_requests=4)
+def runner_args(model: str, quantization: str = "") -> ServerArgs:
+    return ServerArgs(model_path=model, dtype="float32", max_total_tokens=512, max_running_requests=4,
+                      quantization=quantization)
 
 
 def logits_and_greedy(runner: ModelRunner) -> tuple[torch.Tensor, list[list[int]]]:
@@ -44,14 +45,14 @@ def weight_numel(runner: ModelRunner) -> int:
     return sum(p.numel() for p in runner.model.parameters()) + sum(p.numel() for p in packed)
 
 
-def _rank_main(rank: int, size: int, addr: str, models: dict[str, str], out_dir: str) -> None:
+def _rank_main(rank: int, size: int, addr: str, models: dict[str, tuple[str, str]], out_dir: str) -> None:
     """One rank of `size`: every model of that size in turn, over one group
     (a spawn per model cost ~2.5 s of process start and imports)."""
     torch.set_num_threads(1)  # N ranks on 2 cores
     tp = init_tensor_parallel(rank, size, addr, torch.device("cpu"))
     try:
-        for case, model in models.items():
-            runner = ModelRunner(runner_args(model), tp)
+        for case, (model, quantization) in models.items():
+            runner = ModelRunner(runner_args(model, quantization), tp)
             logits, greedy = logits_and_greedy(runner)
             torch.save({"logits": logits, "greedy": greedy, "params": weight_numel(runner),
                         "kv_shape": tuple(runner.kv_pool.k_buffer[0].shape)},
@@ -61,8 +62,9 @@ def _rank_main(rank: int, size: int, addr: str, models: dict[str, str], out_dir:
         tp.close()
 
 
-def run_ranks(size: int, models: dict[str, str], out_dir: str) -> dict[str, list[dict[str, Any]]]:
-    """Each case's per-rank results, from one spawn of `size` ranks."""
+def run_ranks(size: int, models: dict[str, tuple[str, str]], out_dir: str) -> dict[str, list[dict[str, Any]]]:
+    """Each case's per-rank results, from one spawn of `size` ranks; models:
+    case -> (model folder, --quantization)."""
     mp.start_processes(_rank_main, args=(size, f"127.0.0.1:{free_port()}", models, out_dir), nprocs=size,
                        start_method="spawn")
     return {case: [torch.load(os.path.join(out_dir, f"{case}.{r}.pt")) for r in range(size)] for case in models}
@@ -85,7 +87,12 @@ CASES = {
     # Gemma 2: soft-capped scores and logits on each rank's heads and vocabulary slice
     "tp2_gemma2_softcaps": (2, {"model_type": "gemma2", "sliding_window": 4, "query_pre_attn_scalar": 24,
                                 "attn_implementation": "eager"}),
+    # weights rounded into blocks at load: each rank's rows, and o/down_proj's columns on block
+    # boundaries, of the blocks one process rounds (the same blocks, so the same logits)
+    "tp2_int8": (2, {}),
+    "tp2_int4": (2, {}),
 }
+QUANTIZATION = {"tp2_int8": "int8", "tp2_int4": "int4"}  # --quantization per case ("" where absent)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +105,8 @@ def tp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[
     for size in sorted({size for size, _ in CASES.values()}):
         out = root / f"out{size}"
         out.mkdir()
-        results.update(run_ranks(size, {c: m for c, m in models.items() if CASES[c][0] == size}, str(out)))
+        results.update(run_ranks(size, {c: (m, QUANTIZATION.get(c, "")) for c, m in models.items()
+                                        if CASES[c][0] == size}, str(out)))
     return results
 
 
@@ -106,7 +114,7 @@ def tp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[
 def test_tensor_parallel_logits_and_greedy_tokens_equal_one_process(case, tp_results, tmp_path):
     size, overrides = CASES[case]
     model = make_tiny_llama(str(tmp_path / "model"), seed=3, **overrides)  # the same seed: the same weights
-    single = ModelRunner(runner_args(model))
+    single = ModelRunner(runner_args(model, QUANTIZATION.get(case, "")))
     ref_logits, ref_greedy = logits_and_greedy(single)
     ref_params = weight_numel(single)
     ranks = tp_results[case]
