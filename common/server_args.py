@@ -87,6 +87,9 @@ QUANTIZATIONS = ("", "gguf", "none", "int8", "int4", "w8a8_int8")
 # those that round a Hugging Face folder's float weights into blocks at load (model_proc/quant/quantize.py)
 QUANTIZED_AT_LOAD = ("int8", "int4", "w8a8_int8")
 
+# --kv-cache-dtype's choices
+KV_CACHE_DTYPES = ("auto", "int8")
+
 # --reasoning-parser's choices (tokenizer_proc/reasoning.py's ReasoningParser)
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
 
@@ -120,6 +123,9 @@ class ServerArgs:
     # products with a .gguf's blocks round x to 8-bit blocks first (llama.cpp's way; faster
     # decode), where their type has an integer kernel (model_proc/quant/int8_act.py)
     quantize_activations: bool = False
+    # the KV cache's storage: "auto" (--dtype's) or "int8" (a scale per token and head;
+    # model_proc/kv_cache.py), SGLang's flag
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     # default: triton on a CUDA device; on a CPU the native C++ op (torch if it cannot be
     # built, and torch with --deterministic, whose batch-invariant kernels are torch's)
@@ -242,6 +248,9 @@ class ServerArgs:
                              f"not {self.quantization!r}")
         if self.quantization == "gguf" and not self.model_path.endswith(".gguf"):
             raise ValueError(f"--quantization gguf needs a .gguf model, not {self.model_path!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"not {self.kv_cache_dtype!r}")
         if self.quantization in QUANTIZED_AT_LOAD and self.model_path.endswith(".gguf"):
             raise ValueError(f"--quantization {self.quantization} rounds a Hugging Face folder's float weights; "
                              f"a .gguf is served in its own blocks (the default) or dequantized (none)")
@@ -382,6 +391,10 @@ class ServerArgs:
                                  "Hugging Face folder's layer weights rounded at load to int8 (Q8_0) or 4-bit "
                                  "(Q4_1) blocks of 32 weights with float16 scales; w8a8_int8: int8 weights "
                                  "and 8-bit activations (as --quantize-activations)")
+        parser.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"].default, choices=KV_CACHE_DTYPES,
+                            help="auto: the KV cache in --dtype; int8: each token's K and V head rows "
+                                 "rounded to int8 with a float32 scale each (half of bfloat16's bytes; "
+                                 "the CPU's native and torch attention backends)")
         parser.add_argument("--quantize-activations", action="store_true",
                             help="with a .gguf's blocks: round the activations to 8-bit blocks and dot them "
                                  "with the weights in integers, as llama.cpp does (Q4_0, Q4_1, Q8_0, Q4_K, "

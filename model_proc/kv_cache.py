@@ -24,6 +24,13 @@ class KVPool:
 
     Slot 0 is the dummy target for padded tokens, so real slots are 1..size.
 
+    `int8` (--kv-cache-dtype int8): the buffers hold int8, and `k_scale[l]`,
+    `v_scale[l]` [size + 1, num_kv_heads] float32 one scale per token and
+    head: a stored row x becomes round(x / s) with s = max |x| / 127 (half
+    the bytes of bfloat16, a quarter of float32's, plus 4 bytes per head
+    and token for the scale). `gather` reads rows back in `dtype`; the
+    native decode op reads the int8 rows and scales in place.
+
     With a window pool (`windowed` layers, `window_size` > 0; see
     scheduler_proc/window_pool.py) a sliding layer's buffers hold
     `window_size + 1` slots instead, and the step's slots (the full pool's
@@ -34,8 +41,10 @@ class KVPool:
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str | torch.device, *, windowed: Sequence[bool] = (),
-                 window_size: int = 0, page_size: int = 1) -> None:
+                 window_size: int = 0, page_size: int = 1, int8: bool = False) -> None:
         self.size = size
+        self.dtype = dtype  # what attention computes in, and what `gather` returns
+        self.int8 = int8
         self.num_layers = num_layers
         self.page_size = page_size
         self.window_size = window_size if any(windowed) else 0
@@ -48,11 +57,16 @@ class KVPool:
         # first query only, which the scheduler keeps paired and written.
         self.k_buffer: list[torch.Tensor] = []
         self.v_buffer: list[torch.Tensor] = []
+        self.k_scale: list[torch.Tensor] = []  # int8 only
+        self.v_scale: list[torch.Tensor] = []
         for w in self.windowed:
             shape = ((self.window_size if w else size) + 1, num_kv_heads, head_dim)
-            self.k_buffer.append(torch.empty(shape, dtype=dtype, device=device))
-            self.v_buffer.append(torch.empty(shape, dtype=dtype, device=device))
-        for buf in self.k_buffer + self.v_buffer:
+            self.k_buffer.append(torch.empty(shape, dtype=torch.int8 if int8 else dtype, device=device))
+            self.v_buffer.append(torch.empty(shape, dtype=torch.int8 if int8 else dtype, device=device))
+            if int8:
+                self.k_scale.append(torch.empty(shape[:2], dtype=torch.float32, device=device))
+                self.v_scale.append(torch.empty(shape[:2], dtype=torch.float32, device=device))
+        for buf in self.k_buffer + self.v_buffer + self.k_scale + self.v_scale:
             buf[0].zero_()
         # full slot -> window slot (0, the dummy, until its page is paired)
         self.window_slot = torch.zeros(size + 1, dtype=torch.int64, device=device) if self.window_size else None
@@ -74,19 +88,38 @@ class KVPool:
         self.window_slot[(full * P + offsets).view(-1)] = (win * P + offsets).view(-1)
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * elem
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        int8: bool = False) -> int:
+        per_head = head_dim + 4 if int8 else head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * per_head
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
+        return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer + self.k_scale + self.v_scale)
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the new tokens' K/V ([T, kv_heads, head_dim]) into their
         slots (the layer's numbering: AttentionBackend.layer_slots)."""
+        if self.int8:
+            for x, buf, scale in ((k, self.k_buffer[layer_id], self.k_scale[layer_id]),
+                                  (v, self.v_buffer[layer_id], self.v_scale[layer_id])):
+                q, s = quantize_rows(x)
+                buf.index_copy_(0, loc, q)
+                scale.index_copy_(0, loc, s)
+            return
         self.k_buffer[layer_id].index_copy_(0, loc, k)
         self.v_buffer[layer_id].index_copy_(0, loc, v)
+
+    def gather(self, layer_id: int, slots: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """K/V of `slots` (the layer's numbering) into k_out, v_out [len(slots),
+        kv_heads, head_dim] of `dtype`: an int8 pool's rows times their scales."""
+        if not self.int8:
+            torch.index_select(self.k_buffer[layer_id], 0, slots, out=k_out)
+            torch.index_select(self.v_buffer[layer_id], 0, slots, out=v_out)
+            return
+        for buf, scale, out in ((self.k_buffer[layer_id], self.k_scale[layer_id], k_out),
+                                (self.v_buffer[layer_id], self.v_scale[layer_id], v_out)):
+            torch.mul(buf.index_select(0, slots), scale.index_select(0, slots)[..., None], out=out)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's K and V of slots `src` into slots `dst` (int64, on
@@ -94,8 +127,20 @@ class KVPool:
         a request's prefix match ends inside, copied into its own page."""
         for layer, windowed in enumerate(self.windowed):
             s, d = (self.to_window(src), self.to_window(dst)) if windowed else (src, dst)
-            for buf in (self.k_buffer[layer], self.v_buffer[layer]):
+            scales = (self.k_scale[layer], self.v_scale[layer]) if self.int8 else ()
+            for buf in (self.k_buffer[layer], self.v_buffer[layer], *scales):
                 buf.index_copy_(0, d, buf.index_select(0, s))
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, heads, D] -> (int8 [T, heads, D], float32 scales [T, heads]):
+    each head row rounded half to even to x / s, s = max |x| / 127 (0 for an
+    all-zero row), in float32: the native op's store
+    (model_proc/native/attention.cpp store_kv_int8) gives the same bits."""
+    x = x.float()
+    s = x.abs().amax(-1) / 127
+    q = torch.where(s[..., None] > 0, torch.round(x / s[..., None]), 0.0).clamp_(-127, 127)
+    return q.to(torch.int8), s
 
 
 class ReqToTokenTable:

@@ -63,7 +63,7 @@ class NativeDecoder:
 
 def build_native_decoder(model: LlamaForCausalLM) -> NativeDecoder | None:
     """The model's native decoder where every piece of a step is native here
-    (bfloat16 matmuls and rotary, the native attention op), on one rank,
+    (bfloat16 matmuls and rotary, the native attention op on a float pool), on one rank,
     without --deterministic (its fixed-size row blocks are Python's), and for
     layers made only of the ops it has: Llama's (not Qwen3's or Gemma's
     q/k norms, not Gemma's extra norms and GELU, no sliding window)."""
@@ -74,8 +74,9 @@ def build_native_decoder(model: LlamaForCausalLM) -> NativeDecoder | None:
             or cfg.embed_scale is not None:  # steps DecoderStack does not have
         return None
     if model.tp.size > 1 or model.deterministic or not isinstance(backend, NativeAttnBackend) \
-            or backend.op is None or any(lin.kernel is not MatmulKernel.NATIVE for lin in layer_linears):
-        return None
+            or backend.op is None or backend.kv_pool.int8 \
+            or any(lin.kernel is not MatmulKernel.NATIVE for lin in layer_linears):
+        return None  # (an int8 pool: the stack calls the float decode op)
     op = native_layers_op(model.embed_tokens.weight.device)
     attn0 = model.layers[0].self_attn
     stack = op.DecoderStack(backend.op.decode_fn, backend.op.extend_fn, attn0.num_heads, attn0.num_kv_heads,

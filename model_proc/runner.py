@@ -71,7 +71,8 @@ class ModelRunner:
         windowed = [w is not None for w in cfg.layer_windows] \
             if cfg.sliding and not sa.disable_hybrid_swa_memory and sa.batching == "continuous" else []
         ratio = sa.swa_full_tokens_ratio if any(windowed) else 0.0
-        full_bytes, window_bytes = (KVPool.bytes_per_token(n, kv_heads, cfg.head_dim, self.dtype)
+        kv_int8 = sa.kv_cache_dtype == "int8"
+        full_bytes, window_bytes = (KVPool.bytes_per_token(n, kv_heads, cfg.head_dim, self.dtype, kv_int8)
                                     for n in (cfg.num_layers - sum(windowed), sum(windowed)))
         bytes_per_token = max(1, full_bytes + int(ratio * window_bytes))
         # this rank's share, roughly (the norms are read by every rank; they are tiny)
@@ -83,10 +84,11 @@ class ModelRunner:
             if any(windowed) else 0
         self.kv_pool = KVPool(self.max_total_tokens, cfg.num_layers, kv_heads, cfg.head_dim,
                               self.dtype, self.device, windowed=windowed, window_size=self.window_pool_tokens,
-                              page_size=sa.page_size)
+                              page_size=sa.page_size, int8=kv_int8)
         self.req_to_token = ReqToTokenTable(sa.max_running_requests, self.context_len, self.device)
-        logger.info("KV cache pool: %d tokens, %.1f MiB (%d bytes per token); req_to_token %s%s",
+        logger.info("KV cache pool: %d tokens, %.1f MiB (%d bytes per token%s); req_to_token %s%s",
                     self.max_total_tokens, self.kv_pool.nbytes / 2**20, bytes_per_token,
+                    ", int8 with a scale per token and head" if kv_int8 else "",
                     tuple(self.req_to_token.table.shape),
                     f"; sliding layers' window pool: {self.window_pool_tokens} tokens" if any(windowed) else "")
 

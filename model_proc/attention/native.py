@@ -73,7 +73,7 @@ class NativeAttnBackend(AttentionBackend):
 
         self.torch = TorchAttnBackend(kv_pool, req_to_token, scale, layers)
         k_buf = kv_pool.k_buffer[0]
-        dtype, head_dim = str(k_buf.dtype).removeprefix("torch."), k_buf.shape[2]
+        dtype, head_dim = str(kv_pool.dtype).removeprefix("torch."), k_buf.shape[2]
         self.op = native.load() if k_buf.device.type == "cpu" else None
         if self.op is not None and any(spec.softcap is not None for spec in self.layers):
             logger.warning("native attention op has no soft-capped scores: using the torch attention path")
@@ -87,6 +87,8 @@ class NativeAttnBackend(AttentionBackend):
                            k_buf.device)
         if self.native_extend is None:  # the class default: decided here, per pool
             self.native_extend = self.op is not None and self.op.extend_on_matrix_units(dtype, head_dim)
+        if kv_pool.int8:  # the op decodes an int8 pool; extend rows take the torch path, which dequantizes
+            self.native_extend = False
         if self.op is not None:
             # the pool's pages are untouched until their slots are written
             # (KVPool allocates with torch.empty), so they come in as huge pages
@@ -154,8 +156,13 @@ class NativeAttnBackend(AttentionBackend):
             # a sliding layer: each row's last `window` slots (the op stores
             # the new token first, the last of them)
             kv = meta if window is None else self.layer_window_kv(meta, layer_id)
+            loc = self.layer_slots(meta, layer_id, "out", meta.out_cache_loc)
+            if self.kv_pool.int8:
+                return self.op.decode_int8(out, q, k_buf, v_buf, self.kv_pool.k_scale[layer_id],
+                                           self.kv_pool.v_scale[layer_id], kv.kv_indptr, kv.kv_indices, self.scale,
+                                           kv.max_len, k, v, loc)
             return self.op.decode(out, q, k_buf, v_buf, kv.kv_indptr, kv.kv_indices, self.scale, kv.max_len,
-                                  k, v, self.layer_slots(meta, layer_id, "out", meta.out_cache_loc))
+                                  k, v, loc)
         return self.op.extend(out, q, k_buf, v_buf, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, self.scale,
                               k, v, meta.out_cache_loc)
 

@@ -49,13 +49,15 @@ class GatherWorkspace:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
-    def get(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, rows: int, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V buffers of `rows` rows of the pool's heads, in its compute dtype."""
         # an inference-mode tensor cannot be written outside inference mode
         stale = self.k is not None and self.k.is_inference() and not torch.is_inference_mode_enabled()
-        if self.k is None or stale or self.k.shape[0] < rows or self.k.dtype != like.dtype:
+        if self.k is None or stale or self.k.shape[0] < rows or self.k.dtype != pool.dtype:
+            like = pool.k_buffer[0]
             shape = (rows, *like.shape[1:])
-            self.k = torch.empty(shape, dtype=like.dtype, device=like.device)
-            self.v = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self.k = torch.empty(shape, dtype=pool.dtype, device=like.device)
+            self.v = torch.empty(shape, dtype=pool.dtype, device=like.device)
         assert self.v is not None
         return self.k[:rows], self.v[:rows]
 
@@ -126,30 +128,29 @@ class TorchAttnBackend(AttentionBackend):
             slots, mask = meta.decode_windows[spec.window]
             slots = self.layer_slots(meta, layer_id, f"decode{spec.window}", slots)
         max_len = mask.shape[-1]
-        k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
-        row_bytes = 2 * max_len * k_buf[0].numel() * k_buf.element_size()  # one row's K + V, padded
+        k_buf = self.kv_pool.k_buffer[layer_id]
+        row_bytes = 2 * max_len * k_buf[0].numel() * self.kv_pool.dtype.itemsize  # one row's K + V, padded
         chunk = max(1, min(meta.batch_size, self.decode_chunk_bytes // row_bytes))
-        k_ws, v_ws = self.workspace.get(chunk * max_len, k_buf)
+        k_ws, v_ws = self.workspace.get(chunk * max_len, self.kv_pool)
         if chunk == meta.batch_size:
-            return self._decode_rows(q, k_buf, v_buf, slots, mask, k_ws, v_ws, spec.softcap)
+            return self._decode_rows(q, layer_id, slots, mask, k_ws, v_ws, spec.softcap)
         out = torch.empty_like(q)
         for r0 in range(0, meta.batch_size, chunk):
             r1 = min(r0 + chunk, meta.batch_size)
-            out[r0:r1] = self._decode_rows(q[r0:r1], k_buf, v_buf, slots[r0 * max_len:r1 * max_len],
+            out[r0:r1] = self._decode_rows(q[r0:r1], layer_id, slots[r0 * max_len:r1 * max_len],
                                            mask[r0:r1], k_ws, v_ws, spec.softcap)
         return out
 
-    def _decode_rows(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
+    def _decode_rows(self, q: torch.Tensor, layer_id: int, slots: torch.Tensor,
                      mask: torch.Tensor, k_ws: torch.Tensor, v_ws: torch.Tensor,
                      softcap: float | None = None) -> torch.Tensor:
         """One padded, masked SDPA over rows whose flattened [rows * max_len]
         slots are given, gathered into the workspace."""
         rows, max_len = mask.shape[0], mask.shape[-1]
         k_ws, v_ws = k_ws[:slots.numel()], v_ws[:slots.numel()]
-        torch.index_select(k_buf, 0, slots, out=k_ws)
-        torch.index_select(v_buf, 0, slots, out=v_ws)
+        self.kv_pool.gather(layer_id, slots, k_ws, v_ws)
         # [rows, max_len, kv_heads, D] -> [rows, kv_heads, max_len, D]
-        kv_heads, head_dim = k_buf.shape[1:]
+        kv_heads, head_dim = k_ws.shape[1:]
         k = k_ws.view(rows, max_len, kv_heads, head_dim).transpose(1, 2)
         v = v_ws.view(rows, max_len, kv_heads, head_dim).transpose(1, 2)
         # The query heads that share a KV head (GQA) go in as that head's
@@ -181,10 +182,9 @@ class TorchAttnBackend(AttentionBackend):
         `python -m bench.micro.prefill_bench --before` (bench/RESULTS.md,
         "Prefill over a cached prefix").
         """
-        k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         spec = self.layers[layer_id]
         if spec.window is not None or spec.softcap is not None:
-            return self._extend_masked(q, k, v, k_buf, v_buf, spec, meta,
+            return self._extend_masked(q, k, v, layer_id, spec, meta,
                                        self.layer_slots(meta, layer_id, "kv", meta.kv_indices))
         out = torch.empty_like(q)
         for (q0, q1), (p0, p1) in zip(meta.qo_bounds, meta.prefix_bounds):
@@ -195,9 +195,8 @@ class TorchAttnBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(rq, rk, rv, is_causal=True, scale=self.scale,
                                                    enable_gqa=True)
             else:
-                pk, pv = self.workspace.get(p1 - p0, k_buf)
-                torch.index_select(k_buf, 0, meta.kv_indices[p0:p1], out=pk)
-                torch.index_select(v_buf, 0, meta.kv_indices[p0:p1], out=pv)
+                pk, pv = self.workspace.get(p1 - p0, self.kv_pool)
+                self.kv_pool.gather(layer_id, meta.kv_indices[p0:p1], pk, pv)
                 over_prefix = attention_with_lse(rq, pk[None].transpose(1, 2), pv[None].transpose(1, 2),
                                                  False, self.scale)
                 over_new = attention_with_lse(rq, rk, rv, True, self.scale)
@@ -205,9 +204,8 @@ class TorchAttnBackend(AttentionBackend):
             out[q0:q1] = o[0].transpose(0, 1)
         return out
 
-    def _extend_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
-                       v_buf: torch.Tensor, spec: LayerAttention, meta: TorchAttnMetadata,
-                       kv_indices: torch.Tensor) -> torch.Tensor:
+    def _extend_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                       spec: LayerAttention, meta: TorchAttnMetadata, kv_indices: torch.Tensor) -> torch.Tensor:
         """Extend for a sliding or soft-capped layer: per row, the queries
         over the part of the prefix any of them can still see (a window's
         worth at most) and the new tokens, with an explicit mask of who sees
@@ -222,8 +220,10 @@ class TorchAttnBackend(AttentionBackend):
             # the first new token (position `prefix`) sees keys from prefix - window + 1 on
             first = 0 if spec.window is None else max(0, prefix - spec.window + 1)
             slots = kv_indices[p0 + first:p1]
-            rk = torch.cat([k_buf.index_select(0, slots), k[q0:q1]]).transpose(0, 1)  # [kv_heads, L, D]
-            rv = torch.cat([v_buf.index_select(0, slots), v[q0:q1]]).transpose(0, 1)
+            pk, pv = (k.new_empty((slots.numel(), kv_heads, head_dim)) for _ in range(2))
+            self.kv_pool.gather(layer_id, slots, pk, pv)
+            rk = torch.cat([pk, k[q0:q1]]).transpose(0, 1)  # [kv_heads, L, D]
+            rv = torch.cat([pv, v[q0:q1]]).transpose(0, 1)
             kpos = torch.arange(first, prefix + q1 - q0, device=q.device)
             for b0 in range(q0, q1, self.masked_query_block):
                 b1 = min(q1, b0 + self.masked_query_block)

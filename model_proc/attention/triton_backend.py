@@ -37,6 +37,9 @@ class TritonAttnBackend(AttentionBackend):
                  layers: Sequence[LayerAttention] | None = None) -> None:
         super().__init__(kv_pool, req_to_token, scale, layers)
         device = kv_pool.k_buffer[0].device
+        if kv_pool.int8:
+            raise ValueError("--kv-cache-dtype int8 has no Triton kernels yet: use it with the CPU's "
+                             "native or torch attention backend")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("--attention-backend triton needs a CUDA device "
                              "(or TRITON_INTERPRET=1, the slow interpreter the tests use)")

@@ -56,6 +56,9 @@ struct V16 {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
   }
+  static V16 load(const int8_t* p) {  // an int8 KV cache's values, widened
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   static V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   V16 operator*(V16 o) const { return {_mm512_mul_ps(v, o.v)}; }
@@ -159,13 +162,13 @@ inline __m512 sum16(const __m512* a) {
 }
 #endif
 
-template <typename T, int D>
-inline void scores16(const float* qf, const T* qraw, float scale, const T* const* krow, float* s) {
+template <typename T, int D, typename TK = T>
+inline void scores16(const float* qf, const T* qraw, float scale, const TK* const* krow, float* s) {
   constexpr int C = D / 16;
 #ifdef BS_AVX512
   __m512 a[16];
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<TK, c10::BFloat16> && D % 32 == 0) {
     for (int t = 0; t < 16; ++t) {
       __m512 acc = _mm512_setzero_ps();
       for (int c = 0; c < D / 32; ++c)
@@ -262,12 +265,18 @@ inline void pv_group(const T* const* vrow, int n, const float (*p)[kDecodeBlock]
     for (int c = 0; c < C; ++c) av[g][c].store(acc + g * D + 16 * c);
 }
 
-template <typename T, int D>
-void decode_part(const float* q, const T* qraw, float scale, int heads, int group, const T* k_buf, const T* v_buf,
+// TK: the cache's element type, T's or int8_t (an int8 cache: k_scale and
+// v_scale [slots, heads] hold each token's and head's scale; a key's scores
+// are scaled after the dot product, a value's scale folded into its
+// probability, so the rows are widened but never multiplied out).
+template <typename T, int D, typename TK = T>
+void decode_part(const float* q, const T* qraw, float scale, int heads, int group, const TK* k_buf, const TK* v_buf,
                  int64_t slot_stride, const int64_t* slots, int64_t k0, int64_t k1, float* acc, float* m, float* l,
-                 float* scratch, const int64_t* next_slots, int64_t next_k0, int64_t next_k1) {
+                 float* scratch, const int64_t* next_slots, int64_t next_k0, int64_t next_k1,
+                 const float* k_scale = nullptr, const float* v_scale = nullptr) {
+  constexpr bool kInt8 = std::is_same_v<TK, int8_t>;
   const int nq = heads * group;
-  const int row_bytes = static_cast<int>(heads * D * sizeof(T));
+  const int row_bytes = static_cast<int>(heads * D * sizeof(TK));
   auto prefetch_slot = [&](int64_t slot) {
     const char* kr = reinterpret_cast<const char*>(k_buf + slot * slot_stride);
     const char* vr = reinterpret_cast<const char*>(v_buf + slot * slot_stride);
@@ -285,7 +294,7 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
   const int64_t* pf_slots = slots;
   auto prefetch_some = [&](int lines) {
     for (; lines > 0 && pf_t < pf_end; --lines) {
-      const int64_t off = pf_slots[pf_t] * slot_stride * static_cast<int64_t>(sizeof(T)) + pf_line;
+      const int64_t off = pf_slots[pf_t] * slot_stride * static_cast<int64_t>(sizeof(TK)) + pf_line;
       prefetch_l2(reinterpret_cast<const char*>(k_buf) + off);
       prefetch_l2(reinterpret_cast<const char*>(v_buf) + off);
       if ((pf_line += 64) >= row_bytes) { pf_line = 0; ++pf_t; }
@@ -302,8 +311,8 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
     const int n = static_cast<int>(std::min<int64_t>(kDecodeBlock, k1 - t0));
     // the block's slot rows (a short last block repeats its first row; those
     // scores are never used)
-    const T* krow[kDecodeBlock];
-    const T* vrow0[kDecodeBlock];
+    const TK* krow[kDecodeBlock];
+    const TK* vrow0[kDecodeBlock];
     for (int t = 0; t < kDecodeBlock; ++t) {
       krow[t] = k_buf + slots[t0 + (t < n ? t : 0)] * slot_stride;
       vrow0[t] = v_buf + slots[t0 + (t < n ? t : 0)] * slot_stride;
@@ -322,14 +331,24 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
     const int per_piece = (static_cast<int>(pf_end - pf_t) * row_bytes / 64 + heads * (3 * group + n) - 1) /
                           (heads * (3 * group + n));
     for (int h = 0; h < heads; ++h) {
-      const T* kh[kDecodeBlock];
+      const TK* kh[kDecodeBlock];
       for (int t = 0; t < kDecodeBlock; ++t) kh[t] = krow[t] + h * D;
       for (int t = 0; t < n; t += 16)
         for (int g = 0; g < group; ++g) {
           const int i = h * group + g;
           prefetch_some(per_piece);
-          scores16<T, D>(q + i * D, qraw + i * D, scale, kh + t, &s[i][t]);
+          scores16<T, D, TK>(q + i * D, qraw + i * D, scale, kh + t, &s[i][t]);
         }
+      float vs[kDecodeBlock];  // an int8 cache: the block's value scales for head h
+      if constexpr (kInt8) {
+        float ks[kDecodeBlock];
+        for (int t = 0; t < n; ++t) {
+          ks[t] = k_scale[slots[t0 + t] * heads + h];
+          vs[t] = v_scale[slots[t0 + t] * heads + h];
+        }
+        for (int g = 0; g < group; ++g)
+          for (int t = 0; t < n; ++t) s[h * group + g][t] *= ks[t];
+      }
       for (int g = 0; g < group; ++g) {
         const int i = h * group + g;
         prefetch_some(per_piece);
@@ -345,20 +364,22 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
         }
         l[i] = l[i] * alpha[i] + sum;
         m[i] = mn;
+        if constexpr (kInt8)  // after the sum: the scale belongs to V, not to the probability
+          for (int t = 0; t < n; ++t) p[i][t] *= vs[t];
       }
       // P x V: each V row of head h read (and widened to float32) once for
       // the whole query group, up to 4 heads' accumulators in registers at a
       // time (12-16 independent FMA chains; one head at a time left the FMAs
       // waiting on each other and reloaded the row per head)
-      const T* vh[kDecodeBlock];
+      const TK* vh[kDecodeBlock];
       for (int t = 0; t < n; ++t) vh[t] = vrow0[t] + h * D;
       for (int g0 = 0; g0 < group; g0 += 4) {
         const int i0 = h * group + g0;
         switch (std::min(4, group - g0)) {
-          case 1: pv_group<T, D, 1>(vh, n, &p[i0], alpha + i0, acc + i0 * D, prefetch_some, per_piece); break;
-          case 2: pv_group<T, D, 2>(vh, n, &p[i0], alpha + i0, acc + i0 * D, prefetch_some, per_piece); break;
-          case 3: pv_group<T, D, 3>(vh, n, &p[i0], alpha + i0, acc + i0 * D, prefetch_some, per_piece); break;
-          default: pv_group<T, D, 4>(vh, n, &p[i0], alpha + i0, acc + i0 * D, prefetch_some, per_piece); break;
+          case 1: pv_group<TK, D, 1>(vh, n, &p[i0], alpha + i0, acc + i0 * D, prefetch_some, per_piece); break;
+          case 2: pv_group<TK, D, 2>(vh, n, &p[i0], alpha + i0, acc + i0 * D, prefetch_some, per_piece); break;
+          case 3: pv_group<TK, D, 3>(vh, n, &p[i0], alpha + i0, acc + i0 * D, prefetch_some, per_piece); break;
+          default: pv_group<TK, D, 4>(vh, n, &p[i0], alpha + i0, acc + i0 * D, prefetch_some, per_piece); break;
         }
       }
     }
@@ -366,12 +387,18 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, typename TK = T>
 void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                 const at::Tensor& kv_indptr, const at::Tensor& kv_indices, double scale, int64_t splits) {
+                 const at::Tensor& kv_indptr, const at::Tensor& kv_indices, double scale, int64_t splits,
+                 const float* k_scale = nullptr, const float* v_scale = nullptr) {
   const int64_t rows = q.size(0);
-  const auto [q_heads, kv_heads, group, slot_stride, q_stride, o_stride, qp, op, kp, vp] =
-      Operands<T>::of(out, q, k_buf, v_buf);
+  const int64_t q_heads = q.size(1), kv_heads = k_buf.size(1), slot_stride = k_buf.stride(0);
+  const int group = static_cast<int>(q_heads / kv_heads);
+  const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const TK* kp = k_buf.data_ptr<TK>();
+  const TK* vp = v_buf.data_ptr<TK>();
   const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
   const int64_t* indices = kv_indices.data_ptr<int64_t>();
   // splits > 1: each split's acc [q_heads][D], max [q_heads], sum [q_heads]
@@ -409,9 +436,9 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, 
         nk1 = std::min(nlen, nk0 + nchunk);
         next_slots = indices + indptr[nb];
       }
-      decode_part<T, D>(qf.data(), qr, sc, static_cast<int>(kv_heads), group, kp, vp, slot_stride,
-                        indices + indptr[b], k0, k1, acc.data(), m.data(), l.data(), scratch.data(), next_slots, nk0,
-                        nk1);
+      decode_part<T, D, TK>(qf.data(), qr, sc, static_cast<int>(kv_heads), group, kp, vp, slot_stride,
+                            indices + indptr[b], k0, k1, acc.data(), m.data(), l.data(), scratch.data(), next_slots,
+                            nk0, nk1, k_scale, v_scale);
       if (splits == 1) {
         for (int i = 0; i < q_heads; ++i) store_row(op + b * o_stride + i * D, acc.data() + i * D, 1.0f / l[i], D);
       } else {
@@ -912,6 +939,89 @@ void store_kv(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor
   }
 }
 
+// The int8 cache's store: each new token's K (and V) head rounded to int8
+// with a scale of its own, max |x| / 127 (x / scale rounded half to even;
+// 0 for an all-zero row), as KVPool.store rounds it in torch: the same bits.
+template <typename T>
+void store_kv_int8_rows(const at::Tensor& buf, const at::Tensor& scales, const at::Tensor& x_new,
+                        const int64_t* lp, int64_t n) {
+  const int64_t heads = buf.size(1), d = buf.size(2), row = buf.stride(0), xs = x_new.stride(0);
+  int8_t* b = buf.data_ptr<int8_t>();
+  float* sc = scales.data_ptr<float>();
+  const T* x = x_new.data_ptr<T>();
+#pragma omp parallel for num_threads(threads_for(n / 64 + 1))
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* src = x + i * xs + h * d;
+      float amax = 0.0f;
+      for (int64_t j = 0; j < d; ++j) amax = std::max(amax, std::fabs(static_cast<float>(src[j])));
+      const float s = amax / 127.0f;
+      int8_t* dst = b + lp[i] * row + h * d;
+      for (int64_t j = 0; j < d; ++j)
+        dst[j] = s > 0.0f ? static_cast<int8_t>(std::max(-127.0f, std::min(127.0f,
+                                                std::nearbyint(static_cast<float>(src[j]) / s)))) : 0;
+      sc[lp[i] * heads + h] = s;
+    }
+}
+
+void store_kv_int8(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& k_scale,
+                   const at::Tensor& v_scale, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& loc) {
+  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1 && loc.is_contiguous(), "loc must be contiguous int64");
+  for (const at::Tensor* t : {&k_new, &v_new}) {
+    TORCH_CHECK(t->scalar_type() == k_new.scalar_type() && t->dim() == 3 && t->size(0) == loc.size(0) &&
+                t->size(1) == k_buf.size(1) && t->size(2) == k_buf.size(2), "new K/V must be [tokens, kv_heads, D]");
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "new K/V need contiguous heads");
+  }
+  const int64_t n = loc.size(0), slots = k_buf.size(0);
+  const int64_t* lp = loc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(lp[i] >= 0 && lp[i] < slots, "slot ", lp[i], " out of the pool");
+  if (k_new.scalar_type() == at::kFloat) {
+    store_kv_int8_rows<float>(k_buf, k_scale, k_new, lp, n);
+    store_kv_int8_rows<float>(v_buf, v_scale, v_new, lp, n);
+  } else {
+    TORCH_CHECK(k_new.scalar_type() == at::kBFloat16, "new K/V must be float32 or bfloat16");
+    store_kv_int8_rows<c10::BFloat16>(k_buf, k_scale, k_new, lp, n);
+    store_kv_int8_rows<c10::BFloat16>(v_buf, v_scale, v_new, lp, n);
+  }
+}
+
+template <typename T, int D>
+void decode_impl_int8(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                      const at::Tensor& kv_indptr, const at::Tensor& kv_indices, double scale, int64_t splits,
+                      const float* k_scale, const float* v_scale) {
+  decode_impl<T, D, int8_t>(out, q, k_buf, v_buf, kv_indptr, kv_indices, scale, splits, k_scale, v_scale);
+}
+
+// decode over an int8 cache (KVPool with --kv-cache-dtype int8): q and out
+// float32 or bfloat16; k_buf, v_buf int8 [slots, kv_heads, D]; k_scale,
+// v_scale float32 [slots, kv_heads].
+at::Tensor decode_int8(at::Tensor out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                       const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& kv_indptr,
+                       const at::Tensor& kv_indices, double scale, int64_t max_len, const at::Tensor& k_new,
+                       const at::Tensor& v_new, const at::Tensor& loc) {
+  TORCH_CHECK(q.device().is_cpu(), "native attention runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "q and out must be [tokens, q_heads, head_dim] of one dtype");
+  TORCH_CHECK(k_buf.dim() == 3 && k_buf.sizes() == v_buf.sizes() && k_buf.scalar_type() == at::kChar &&
+              v_buf.scalar_type() == at::kChar, "k_buf, v_buf must be int8 [slots, kv_heads, head_dim]");
+  for (const at::Tensor* t : {&k_scale, &v_scale})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == k_buf.size(0) &&
+                t->size(1) == k_buf.size(1) && t->is_contiguous(), "scales must be float32 [slots, kv_heads]");
+  TORCH_CHECK(q.size(2) == k_buf.size(2), "head_dim differs between q and the pool");
+  TORCH_CHECK(q.size(1) % k_buf.size(1) == 0, "q_heads must be a multiple of kv_heads");
+  TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2) && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q and out need contiguous heads");
+  for (const at::Tensor* t : {&k_buf, &v_buf}) TORCH_CHECK(t->is_contiguous(), "the pool must be contiguous");
+  store_kv_int8(k_buf, v_buf, k_scale, v_scale, k_new, v_new, loc);
+  TORCH_CHECK(kv_indptr.scalar_type() == at::kLong && kv_indices.scalar_type() == at::kLong &&
+              kv_indptr.is_contiguous() && kv_indices.is_contiguous(), "indices must be contiguous int64");
+  TORCH_CHECK(kv_indptr.size(0) == q.size(0) + 1, "kv_indptr must have rows + 1 entries");
+  const int64_t splits = choose_splits(q.size(0), max_len);
+  BS_DISPATCH(q.scalar_type(), q.size(2), decode_impl_int8, out, q, k_buf, v_buf, kv_indptr, kv_indices, scale,
+              splits, k_scale.data_ptr<float>(), v_scale.data_ptr<float>());
+  return out;
+}
+
 at::Tensor decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                   const at::Tensor& kv_indptr, const at::Tensor& kv_indices, double scale, int64_t max_len,
                   const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& loc) {
@@ -945,6 +1055,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("kv_indptr"),
         py::arg("kv_indices"), py::arg("scale"), py::arg("max_len"), py::arg("k_new"), py::arg("v_new"),
         py::arg("loc"), py::call_guard<py::gil_scoped_release>());
+  m.def("decode_int8", &decode_int8, "decode over an int8 pool: store the new K/V rounded to int8 with a scale "
+        "per token and head, then decode attention",
+        py::arg("out"), py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("k_scale"), py::arg("v_scale"),
+        py::arg("kv_indptr"), py::arg("kv_indices"), py::arg("scale"), py::arg("max_len"), py::arg("k_new"),
+        py::arg("v_new"), py::arg("loc"), py::call_guard<py::gil_scoped_release>());
   m.def("extend", &extend, "store the new K/V, then extend attention: new tokens over their cached prefix "
         "and, causally, themselves",
         py::arg("out"), py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("qo_indptr"),
