@@ -289,7 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if not args.no_write:
         record_run(text, "bench.micro.attention_bench", load_average=LoadAverage(None, [os.getloadavg()[0]]),
-                   floors={"read_bandwidth_gbs": round(bandwidth / 1e9, 2)})
+                   floors={"read_bandwidth_gbs": round(bandwidth / 1e9, 2)},
+                   label="int8-kv" if args.int8_kv else None)  # a record beside the float runs
 
 
 if __name__ == "__main__":
