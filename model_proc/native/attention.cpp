@@ -39,6 +39,9 @@
 #if defined(__AVX512F__) && !defined(BATCHSERVE_NO_AVX512)
 #include <immintrin.h>
 #define BS_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(BATCHSERVE_NO_AVX2)
+#include <immintrin.h>
+#define BS_AVX2 1
 #endif
 
 namespace {
@@ -108,6 +111,96 @@ inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p
 // every cache line of one head's row (D elements)
 template <typename T, int D> inline void prefetch_row(const T* p) {
   for (int i = 0; i < static_cast<int>(D * sizeof(T)); i += 64) prefetch(reinterpret_cast<const char*>(p) + i);
+}
+#elif defined(BS_AVX2)
+// Two 8-float halves (AVX2 + FMA: an EPYC or a Xeon without AVX512). exp by
+// the AVX512 path's polynomials, 2^n put into the exponent bits (the inputs
+// are clamped to [-126, 126], so the result is a normal float).
+inline __m256 exp2_poly(__m256 t, bool coarse) {
+  t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-126.0f)), _mm256_set1_ps(126.0f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);  // in [-0.5, 0.5]
+  __m256 p;
+  if (coarse) {
+    p = _mm256_set1_ps(9.618129107628477e-3f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  } else {
+    p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  }
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline float hsum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float hmax8(__m256 x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline __m256 widen_bf16(__m128i w) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(w), 16));
+}
+struct V16 {
+  __m256 lo, hi;
+  static V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static V16 bcast(float x) { const __m256 b = _mm256_set1_ps(x); return {b, b}; }
+  static V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static V16 load(const c10::BFloat16* p) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {widen_bf16(_mm256_castsi256_si128(w)), widen_bf16(_mm256_extracti128_si256(w, 1))};
+  }
+  static V16 load(const int8_t* p) {  // an int8 KV cache's values, widened
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+  }
+  void store(float* p) const { _mm256_storeu_ps(p, lo); _mm256_storeu_ps(p + 8, hi); }
+  static V16 fma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+  V16 operator*(V16 o) const { return {_mm256_mul_ps(lo, o.lo), _mm256_mul_ps(hi, o.hi)}; }
+  V16 operator-(V16 o) const { return {_mm256_sub_ps(lo, o.lo), _mm256_sub_ps(hi, o.hi)}; }
+  V16 operator+(V16 o) const { return {_mm256_add_ps(lo, o.lo), _mm256_add_ps(hi, o.hi)}; }
+  static V16 max(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+  float sum() const { return hsum8(_mm256_add_ps(lo, hi)); }
+  float max() const { return hmax8(_mm256_max_ps(lo, hi)); }
+  // lanes >= n set to x (all of them for n <= 0)
+  V16 fill_from(int n, float x) const {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 keep_lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+    const __m256 keep_hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lane));
+    const __m256 b = _mm256_set1_ps(x);
+    return {_mm256_blendv_ps(b, lo, keep_lo), _mm256_blendv_ps(b, hi, keep_hi)};
+  }
+  // e^x, relative error ~1e-7; inputs below -87 give ~0
+  V16 exp() const {
+    const __m256 l2e = _mm256_set1_ps(1.44269504088896341f), lim = _mm256_set1_ps(-87.0f);
+    return {exp2_poly(_mm256_mul_ps(_mm256_max_ps(lo, lim), l2e), false),
+            exp2_poly(_mm256_mul_ps(_mm256_max_ps(hi, lim), l2e), false)};
+  }
+  V16 exp2() const { return {exp2_poly(lo, false), exp2_poly(hi, false)}; }
+  V16 exp2_coarse() const { return {exp2_poly(lo, true), exp2_poly(hi, true)}; }
+};
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+template <typename T, int D> inline void prefetch_row(const T* p) {
+  for (int i = 0; i < static_cast<int>(D * sizeof(T)); i += 64) prefetch(reinterpret_cast<const char*>(p) + i);
+}
+// the totals of 8 vectors, one per lane (a hadd tree)
+inline __m256 sum8(const __m256* a) {
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
 #else
 struct V16 {
@@ -186,6 +279,16 @@ inline void scores16(const float* qf, const T* qraw, float scale, const TK* cons
     a[t] = acc.v;
   }
   _mm512_storeu_ps(s, sum16(a));
+#elif defined(BS_AVX2)
+  (void)qraw; (void)scale;
+  __m256 a[16];
+  for (int t = 0; t < 16; ++t) {
+    V16 acc = V16::load(qf) * V16::load(krow[t]);
+    for (int c = 1; c < C; ++c) acc = V16::fma(V16::load(qf + 16 * c), V16::load(krow[t] + 16 * c), acc);
+    a[t] = _mm256_add_ps(acc.lo, acc.hi);
+  }
+  _mm256_storeu_ps(s, sum8(a));
+  _mm256_storeu_ps(s + 8, sum8(a + 8));
 #else
   (void)qraw; (void)scale;
   for (int t = 0; t < 16; ++t) {
@@ -1076,6 +1179,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether extend runs its products on the matrix units (brgemm) for this dtype name and head_dim");
 #ifdef BS_AVX512
   m.attr("simd") = "avx512";
+#elif defined(BS_AVX2)
+  m.attr("simd") = "avx2";
 #else
   m.attr("simd") = "scalar";
 #endif

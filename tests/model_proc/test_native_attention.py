@@ -100,6 +100,40 @@ def test_decode_over_ragged_rows_equals_torch(dtype: torch.dtype, group: int, he
 
 
 @needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_over_an_int8_pool_equals_the_torch_paths_dequantized_read(dtype: torch.dtype, group: int,
+                                                                         head_dim: int) -> None:
+    """--kv-cache-dtype int8: the op reads the int8 rows and their scales in
+    place; the torch backend over the same pool dequantizes what it gathers."""
+    gen = torch.Generator().manual_seed(7 * group + head_dim)
+    pools = [KVPool(POOL, num_layers=1, num_kv_heads=KV_HEADS, head_dim=head_dim, dtype=d, device="cpu", int8=True)
+             for d in (dtype, torch.float32)]
+    for name in ("k_buffer", "v_buffer", "k_scale", "v_scale"):
+        ours, ref = getattr(pools[0], name)[0], getattr(pools[1], name)[0]
+        if ours.dtype == torch.int8:
+            ours[1:] = torch.randint(-127, 128, ours[1:].shape, generator=gen, dtype=torch.int8)
+        else:
+            ours[1:] = torch.rand(ours[1:].shape, generator=gen) * 0.02
+        ref.copy_(ours)
+    table = ReqToTokenTable(num_rows=len(LENS) + 1, context_len=2100, device="cpu")
+    ours, ref = NativeAttnBackend(pools[0], table, head_dim ** -0.5), TorchAttnBackend(pools[1], table,
+                                                                                       head_dim ** -0.5)
+    rows, lens = [4, 1, 5, 3, 2], [LENS[i] for i in (2, 0, 4, 1, 3)]
+    fill_rows(table.table, rows, lens, gen)
+    loc = torch.tensor([table.table[r, n - 1].item() for r, n in zip(rows, lens)])
+    inputs = step_inputs(make_batch("decode", rows, lens, [], len(rows)), table.table, loc)
+    q = torch.randn(len(rows), group * KV_HEADS, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(len(rows), KV_HEADS, head_dim, generator=gen).to(dtype) for _ in range(2))
+    out = ours.forward(q, k, v, 0, ours.init_forward_metadata(inputs))
+    expected = ref.forward(q.float(), k.float(), v.float(), 0, ref.init_forward_metadata(inputs))
+    assert torch.equal(pools[0].k_buffer[0][loc], pools[1].k_buffer[0][loc])  # stored with the same bits
+    for i in range(len(rows)):
+        assert rel_err(out[i], expected[i]) < TOL[dtype], f"row {i} ({lens[i]} tokens)"
+
+
+@needs_op
 def test_a_lone_short_row_is_split_between_threads() -> None:
     """One row of a few hundred keys (a single user) is split so that every
     thread gets some of it; no split under 64 keys; many rows need none."""
