@@ -25,11 +25,13 @@ Next to each row, the trace's floors on this machine, measured on the spot:
 - compute: the trace's FLOPs (2 x the matmul parameters per token computed,
   the LM head only for tokens that sample, plus attention: 4 x head_dim x
   heads x layers per (query, key) pair, a sliding layer's pairs inside its
-  window) at the bfloat16 matmul rate, as output tok/s; a row's share of it;
+  window) at the matmul rate of the dtype this server computes in (`--dtype
+  auto`: bfloat16 where the CPU has native bfloat16 matmuls, else float32),
+  as output tok/s; a row's share of it;
 - memory, 1 concurrent: every weight read once per output token at the read
-  bandwidth, as an inter-token latency: the bfloat16 weights we serve, and for
-  a GGUF model the file itself, which a peer serving it quantized (llama.cpp)
-  reads instead.
+  bandwidth, as an inter-token latency: for a GGUF model the file itself
+  (this server, by default, and llama.cpp both serve its blocks as they
+  are), else the matmul weights in bfloat16.
 
 Writes --out-dir/peers.json ({command, machine, floors, rows}) and peers.md;
 --record also records the run (bench/results/latest/peers.json, from which
@@ -59,6 +61,7 @@ from bench.lib.machine_rates import matmul_rate, read_bandwidth
 from bench.lib.run_record import LoadAverage, record_run
 from bench.lib.server_launcher import LaunchedServer
 from common.server_args import ServerArgs, default_model_path, resolve_model_name
+from model_proc.dtypes import dtype_name, resolve_dtype
 from model_proc.model import ModelConfig
 from model_proc.weights import resolve_model_path
 
@@ -153,16 +156,16 @@ def parse_named(values: list[str], flag: str) -> dict[str, str]:
 def gguf_note(floors: dict[str, Any]) -> str:
     if "gguf_mb" not in floors:
         return ""
-    return (f"; the GGUF file, as a peer serving it reads it: {floors['gguf_mb']:.0f} MB, a memory floor "
-            f"of {floors['gguf_floor_itl_ms']:.1f} ms per token at 1 concurrent")
+    return (f"; the GGUF file, as a server serving its blocks reads it: {floors['gguf_mb']:.0f} MB, the "
+            f"memory floor of {floors['gguf_floor_itl_ms']:.1f} ms per token at 1 concurrent")
 
 
 def markdown(command: str, machine: str, floors: dict[str, Any], rows: list[Row], notes: dict[str, str],
              input_len: int, output_len: int) -> str:
     lines = [f"\n## This server and its peers, {datetime.date.today().isoformat()}\n", f"`{command}`\n",
-             f"{machine}. Floors measured on the spot: bfloat16 matmul {floors['matmul_gflops']:.0f} GFLOP/s, "
-             f"read bandwidth {floors['bandwidth_gbs']:.1f} GB/s, weights {floors['weight_mb']:.0f} MB "
-             f"(bfloat16){gguf_note(floors)}. Trace: random-ids, {input_len} +- {input_len // 2} tokens in, "
+             f"{machine}. Floors measured on the spot: {floors.get('matmul_dtype', 'bfloat16')} matmul "
+             f"{floors['matmul_gflops']:.0f} GFLOP/s, read bandwidth {floors['bandwidth_gbs']:.1f} GB/s, matmul "
+             f"weights {floors['weight_mb']:.0f} MB in bfloat16{gguf_note(floors)}. Trace: random-ids, {input_len} +- {input_len // 2} tokens in, "
              f"{output_len} +- {output_len // 2} out, EOS ignored, OpenAI completions, streamed, one seed for "
              "every server.\n",
              "| server | concurrent | prompts | output tok/s | median ITL ms | TTFT p50 ms | failed "
@@ -207,7 +210,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with open(os.path.join(folder, "config.json")) as f:
         cfg = ModelConfig.from_dict(json.load(f))
 
-    rate, bandwidth = matmul_rate(torch.bfloat16), read_bandwidth()
+    compute_dtype = resolve_dtype("auto", torch.device("cpu"))
+    rate, bandwidth = matmul_rate(compute_dtype), read_bandwidth()
+    gguf = gguf_floor(resolve_model_name(model_path), bandwidth)
+    floor_itl_ms = gguf["gguf_floor_itl_ms"] if gguf else 1e3 * weight_bytes(cfg, 2) / bandwidth
     load_start = os.getloadavg()
     rows: list[Row] = []
 
@@ -221,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 server=name, concurrency=c, prompts=n, output_throughput=res["output_throughput"],
                 median_itl_ms=res["median_itl_ms"], median_ttft_ms=res["median_ttft_ms"], failed=res["failed"],
                 floor_output_throughput=floor_tps, share_of_compute_floor=res["output_throughput"] / floor_tps,
-                floor_itl_ms=1e3 * weight_bytes(cfg, 2) / bandwidth if c == 1 else None))
+                floor_itl_ms=floor_itl_ms if c == 1 else None))
 
     if args.ours_url:
         run(OURS, args.ours_url)
@@ -238,8 +244,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load_end = os.getloadavg()
     machine = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; load average (1 min) "
                f"{load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end")
-    floors = {"matmul_gflops": rate / 1e9, "bandwidth_gbs": bandwidth / 1e9,
-              "weight_mb": weight_bytes(cfg, 2) / 1e6, **gguf_floor(resolve_model_name(model_path), bandwidth)}
+    floors = {"matmul_dtype": dtype_name(compute_dtype), "matmul_gflops": rate / 1e9,
+              "bandwidth_gbs": bandwidth / 1e9, "weight_mb": weight_bytes(cfg, 2) / 1e6, **gguf}
     # quoted where needed: a --peer-note holds spaces, and the recorded command must run as it reads
     command = "python -m bench.serving.peers " + shlex.join(sys.argv[1:] if argv is None else argv)
     text = markdown(command, machine, floors, rows, notes, args.input_len, args.output_len)

@@ -16,8 +16,8 @@ from tests.helpers import TINY_CONFIG
 
 def test_this_server_and_a_peer_are_served_the_same_trace(tmp_path, default_model_dir, recorded, monkeypatch,
                                                            shared_server) -> None:
-    # the floors' bfloat16 matmul rate still measured, on 256 x 256 matrices: at the default
-    # 2048 a CPU without native bfloat16 (AVX2 only) spends a minute per call, six calls
+    # the floors' matmul rate still measured, on 256 x 256 matrices: at the default
+    # 2048 a call takes seconds (in bfloat16 without native bfloat16 units, a minute), six calls
     monkeypatch.setattr(peers, "matmul_rate", lambda dtype: machine_rates.matmul_rate(dtype, n=256))
     # the peer is another server of ours, the session's shared one (tests/conftest.py):
     # any OpenAI-completions server would do
