@@ -161,8 +161,9 @@ def gguf_note(floors: dict[str, Any]) -> str:
 
 
 def markdown(command: str, machine: str, floors: dict[str, Any], rows: list[Row], notes: dict[str, str],
-             input_len: int, output_len: int) -> str:
-    lines = [f"\n## This server and its peers, {datetime.date.today().isoformat()}\n", f"`{command}`\n",
+             input_len: int, output_len: int, model: str) -> str:
+    """model: its name in the heading (one section per model in bench/RESULTS.md)."""
+    lines = [f"\n## This server and its peers on {model}, {datetime.date.today().isoformat()}\n", f"`{command}`\n",
              f"{machine}. Floors measured on the spot: {floors.get('matmul_dtype', 'bfloat16')} matmul "
              f"{floors['matmul_gflops']:.0f} GFLOP/s, read bandwidth {floors['bandwidth_gbs']:.1f} GB/s, matmul "
              f"weights {floors['weight_mb']:.0f} MB in bfloat16{gguf_note(floors)}. Trace: random-ids, {input_len} +- {input_len // 2} tokens in, "
@@ -248,7 +249,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "bandwidth_gbs": bandwidth / 1e9, "weight_mb": weight_bytes(cfg, 2) / 1e6, **gguf}
     # quoted where needed: a --peer-note holds spaces, and the recorded command must run as it reads
     command = "python -m bench.serving.peers " + shlex.join(sys.argv[1:] if argv is None else argv)
-    text = markdown(command, machine, floors, rows, notes, args.input_len, args.output_len)
+    text = markdown(command, machine, floors, rows, notes, args.input_len, args.output_len,
+                    os.path.splitext(os.path.basename(resolve_model_name(model_path).rstrip("/")))[0])
     print(text)
     os.makedirs(args.out_dir, exist_ok=True)
     result = {"command": command, "machine": machine, "floors": floors, "rows": [asdict(r) for r in rows],

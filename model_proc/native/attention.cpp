@@ -1017,24 +1017,35 @@ int64_t choose_splits(int64_t rows, int64_t max_len) {
 // K/V rows (all KV heads of a token: one contiguous copy each) into their
 // slots loc. What KVPool.store does with two index_copy_ calls, minus two
 // op dispatches per layer.
-void store_kv(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& k_new, const at::Tensor& v_new,
-              const at::Tensor& loc) {
+// What either store checks: loc contiguous int64 slots inside the pool; the
+// new K/V [tokens, kv_heads, D] of one dtype (the pool's, unless the pool
+// rounds them: int8), each token's heads contiguous. Returns loc's data.
+const int64_t* checked_store_args(const at::Tensor& k_buf, const at::Tensor& k_new, const at::Tensor& v_new,
+                                  const at::Tensor& loc, bool pool_dtype) {
   TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1 && loc.is_contiguous(), "loc must be contiguous int64");
+  const auto dtype = pool_dtype ? k_buf.scalar_type() : k_new.scalar_type();
   for (const at::Tensor* t : {&k_new, &v_new}) {
-    TORCH_CHECK(t->scalar_type() == k_buf.scalar_type() && t->dim() == 3 && t->size(0) == loc.size(0) &&
+    TORCH_CHECK(t->scalar_type() == dtype && t->dim() == 3 && t->size(0) == loc.size(0) &&
                 t->size(1) == k_buf.size(1) && t->size(2) == k_buf.size(2), "new K/V must be [tokens, kv_heads, D]");
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "new K/V need contiguous heads");
   }
-  const int64_t n = loc.size(0), slots = k_buf.size(0);
+  const int64_t* lp = loc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < loc.size(0); ++i)
+    TORCH_CHECK(lp[i] >= 0 && lp[i] < k_buf.size(0), "slot ", lp[i], " out of the pool");
+  return lp;
+}
+
+void store_kv(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& k_new, const at::Tensor& v_new,
+              const at::Tensor& loc) {
+  const int64_t* lp = checked_store_args(k_buf, k_new, v_new, loc, true);
+  const int64_t n = loc.size(0);
   const int64_t row = k_buf.stride(0) * k_buf.element_size();
   const int64_t ks = k_new.stride(0) * k_new.element_size(), vs = v_new.stride(0) * v_new.element_size();
-  const int64_t* lp = loc.data_ptr<int64_t>();
   char* kb = static_cast<char*>(k_buf.data_ptr());
   char* vb = static_cast<char*>(v_buf.data_ptr());
   const char* kn = static_cast<const char*>(k_new.data_ptr());
   const char* vn = static_cast<const char*>(v_new.data_ptr());
   const int64_t bytes = k_buf.size(1) * k_buf.size(2) * k_buf.element_size();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(lp[i] >= 0 && lp[i] < slots, "slot ", lp[i], " out of the pool");
 #pragma omp parallel for num_threads(threads_for(n / 256 + 1))
   for (int64_t i = 0; i < n; ++i) {
     std::memcpy(kb + lp[i] * row, kn + i * ks, bytes);
@@ -1069,15 +1080,8 @@ void store_kv_int8_rows(const at::Tensor& buf, const at::Tensor& scales, const a
 
 void store_kv_int8(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& k_scale,
                    const at::Tensor& v_scale, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& loc) {
-  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1 && loc.is_contiguous(), "loc must be contiguous int64");
-  for (const at::Tensor* t : {&k_new, &v_new}) {
-    TORCH_CHECK(t->scalar_type() == k_new.scalar_type() && t->dim() == 3 && t->size(0) == loc.size(0) &&
-                t->size(1) == k_buf.size(1) && t->size(2) == k_buf.size(2), "new K/V must be [tokens, kv_heads, D]");
-    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "new K/V need contiguous heads");
-  }
-  const int64_t n = loc.size(0), slots = k_buf.size(0);
-  const int64_t* lp = loc.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(lp[i] >= 0 && lp[i] < slots, "slot ", lp[i], " out of the pool");
+  const int64_t* lp = checked_store_args(k_buf, k_new, v_new, loc, false);
+  const int64_t n = loc.size(0);
   if (k_new.scalar_type() == at::kFloat) {
     store_kv_int8_rows<float>(k_buf, k_scale, k_new, lp, n);
     store_kv_int8_rows<float>(v_buf, v_scale, v_new, lp, n);

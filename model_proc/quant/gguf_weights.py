@@ -16,6 +16,7 @@ import gguf
 import numpy as np
 import torch
 
+from model_proc.quant import QuantizedWeights
 from model_proc.quant.ggml_types import SUPPORTED, GGMLType, row_bytes
 from model_proc.quant.gguf_file import GGUFFile
 from model_proc.quant.weight import QuantWeight
@@ -43,11 +44,12 @@ def _type_name(ggml_type: int) -> str:
         return f"type {ggml_type}"
 
 
-class GGUFWeights:
+class GGUFWeights(QuantizedWeights):
     """`get(hf_name)`: that tensor's blocks, or None where the file holds it
     as floats (or in a block type without a kernel here)."""
 
     def __init__(self, path: str, hf_names: list[str], num_heads: int, num_kv_heads: int) -> None:
+        super().__init__()
         file = GGUFFile(path)
         arch_name = file.metadata["general.architecture"]
         archs = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
@@ -56,8 +58,6 @@ class GGUFWeights:
         tensors = file.tensors
         blocks = max((int(n.split(".")[1]) + 1 for n in tensors if n.startswith("blk.")), default=0)
         name_map = gguf.get_tensor_name_map(archs[arch_name], blocks)
-        self._weights: dict[str, QuantWeight] = {}
-        self.float_types: dict[str, str] = {}  # 2-D tensors left to the float path, and why
         for hf in hf_names:
             gg = name_map.get_name(hf, try_suffixes=_SUFFIXES)
             t = tensors.get(gg) if gg is not None else None
@@ -79,14 +79,3 @@ class GGUFWeights:
                 w = w.take_rows(llama_qk_order(w.shape[0], heads))
             self._weights[hf] = w
         self.arch = arch_name
-
-    def get(self, hf_name: str) -> QuantWeight | None:
-        return self._weights.get(hf_name)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of every quantized weight held (a tied embedding counts once)."""
-        return sum(w.nbytes for w in self._weights.values())
-
-    def __len__(self) -> int:
-        return len(self._weights)

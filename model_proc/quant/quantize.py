@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from model_proc.quant import QuantizedWeights
 from model_proc.quant.ggml_types import GGMLType, block_shape
 from model_proc.quant.weight import QuantWeight
 from model_proc.weights import CheckpointReader
@@ -99,16 +100,15 @@ _LAYER_MATMULS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.wei
                   "gate_proj.weight", "up_proj.weight", "down_proj.weight", "gate_up_proj.weight")
 
 
-class QuantizedAtLoad:
+class QuantizedAtLoad(QuantizedWeights):
     """`get(hf_name)`: a layer matmul weight of the checkpoint rounded into
     `qtype` blocks, or None (not a layer matmul, or a width the blocks do not
     divide: kept in --dtype, listed in `float_types`)."""
 
     def __init__(self, ckpt: CheckpointReader, qtype: GGMLType) -> None:
+        super().__init__()
         quantize = QUANTIZERS[qtype]
         per = block_shape(qtype)[0]
-        self._weights: dict[str, QuantWeight] = {}
-        self.float_types: dict[str, str] = {}
         with torch.no_grad():
             for name in ckpt.names():
                 if not name.endswith(_LAYER_MATMULS) or len(ckpt.shape(name)) != 2:
@@ -119,13 +119,3 @@ class QuantizedAtLoad:
                     continue
                 # one tensor at a time: the float copy is freed before the next is read
                 self._weights[name] = QuantWeight.of(qtype, quantize(ckpt.read(name)).contiguous(), k)
-
-    def get(self, hf_name: str) -> QuantWeight | None:
-        return self._weights.get(hf_name)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(w.nbytes for w in self._weights.values())
-
-    def __len__(self) -> int:
-        return len(self._weights)
