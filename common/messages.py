@@ -21,12 +21,17 @@ class ForwardMode(enum.StrEnum):
     # decoding one token each (--enable-mixed-chunk): their decode step, run
     # in the same pass over the weights as the prefill
     MIXED = "mixed"
+    # speculative decoding: an extend whose rows each run their last sampled
+    # token and the drafts after it; every token is sampled, and each row
+    # keeps the drafts its samples agree with plus the sample after them
+    # (ForwardResult.accept_lens)
+    VERIFY = "verify"
 
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
 
     def is_extend(self) -> bool:
-        """Ragged rows after a prefix (`prefix_lens` is sent): EXTEND or MIXED."""
+        """Ragged rows after a prefix (`prefix_lens` is sent): EXTEND, MIXED or VERIFY."""
         return self is not ForwardMode.DECODE
 
     def is_mixed(self) -> bool:
@@ -302,7 +307,11 @@ class ForwardBatch(msgspec.Struct, tag=True):
     pool. DECODE: one new token per row (`prefix_lens` is empty; the prefix is
     `seq_lens[i] - 1`). MIXED: an extend whose last `decode_rows` rows decode
     one token each. A decoding row's input id may be FUTURE_TOKEN, which the
-    model replaces with the row's last sampled token.
+    model replaces with the row's last sampled token. VERIFY: an extend whose
+    row i runs its last sampled token and then its drafts; each new token is
+    sampled as if it were the row's next (token j with sample step
+    `sample_steps[i] + j`), so the rows' sampling lists apply to each of their
+    tokens. No penalties, grammar or prompt logprobs go with a VERIFY.
     `out_cache_loc` holds the KV slot of every new token, aligned with
     `input_ids`. `table_rows`/`table_lens`/`table_slots` rewrite rows of the
     model's `req_to_token` before the step: row `table_rows[i]` gets, for its
@@ -368,9 +377,13 @@ class ForwardBatch(msgspec.Struct, tag=True):
 
 
 class ForwardResult(msgspec.Struct, tag=True):
-    next_token_ids: list[int]
+    next_token_ids: list[int]  # one per row; VERIFY: one per input token, row after row
+    # VERIFY: per row, how many of its sampled tokens it keeps (at least 1):
+    # its drafts up to the first its samples disagree with, then that sample
+    accept_lens: list[int] = []
     forward_time: float = 0.0  # seconds the model spent on this step
-    # filled when ForwardBatch.return_logprob: log-softmax of the raw logits
+    # filled when ForwardBatch.return_logprob: log-softmax of the raw logits,
+    # aligned with next_token_ids (VERIFY: per input token)
     next_token_logprobs: list[float] = []
     top_logprob_ids: list[list[int]] = []  # per row, top_logprobs_nums[i] entries
     top_logprob_vals: list[list[float]] = []
@@ -407,6 +420,9 @@ class ModelInfo(msgspec.Struct):
     # slots, and the largest window of the model's layers
     window_pool_tokens: int = 0
     sliding_window: int = 0
+    # with --speculative-algorithm: a step's seconds ~ fixed + per token x tokens,
+    # measured at start-up (ModelRunner.measure_step_cost); (0, 0) when not measured
+    step_cost: tuple[float, float] = (0.0, 0.0)
 
 
 class ReadyMsg(msgspec.Struct, tag=True):

@@ -19,6 +19,8 @@ from common.chat_templates import shipped_template
 # --tool-call-parser's names (SGLang's); tokenizer_proc/tool_calls/ registers a parser for each
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "pythonic")
 
+SPECULATIVE_ALGORITHMS = ("", "NGRAM")  # --speculative-algorithm; "" is off
+
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -187,6 +189,13 @@ class ServerArgs:
     # last one (text, output_ids, the output logprob lists), not all so far
     incremental_streaming_output: bool = False
     disable_overlap_schedule: bool = False  # plain loop: read step t's result before sending t+1
+    # speculative decoding (scheduler_proc/speculative/): "" off; NGRAM (SGLang's name) drafts from
+    # the request's own tokens and from recent outputs, verified for every row in one step
+    speculative_algorithm: str = ""
+    speculative_num_draft_tokens: int = 8  # tokens a speculating row runs in a verify: its last, then drafts
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_capacity: int = 1_000_000  # n-grams of recent outputs kept for drafting
     disable_radix_cache: bool = False  # no prefix cache: every request computes its whole prompt
     # cached tokens no running request uses that the prefix cache keeps before a new page
     # reuses its least recently used ones rather than untouched pool memory; None: 16384
@@ -303,6 +312,19 @@ class ServerArgs:
             raise ValueError("--shutdown-timeout must be >= 0")
         if self.batch_timeout_ms < 0:
             raise ValueError("--batch-timeout-ms must be >= 0")
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm must be {' or '.join(a for a in SPECULATIVE_ALGORITHMS if a)}, "
+                             f"not {self.speculative_algorithm!r}")
+        if self.speculative_algorithm:
+            if self.batching != "continuous":
+                raise ValueError("--speculative-algorithm needs --batching continuous")
+            if self.speculative_num_draft_tokens < 2:
+                raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token and a draft)")
+            if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
+                raise ValueError("--speculative-ngram-min-match-window-size must be >= 1 and <= "
+                                 "--speculative-ngram-max-match-window-size")
+            if self.speculative_ngram_capacity < 0:
+                raise ValueError("--speculative-ngram-capacity must be >= 0")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"--max-connections must be >= 1, not {self.max_connections}")
         if not self.header_timeout_s > 0 or not self.body_timeout_s > 0:
@@ -510,6 +532,23 @@ class ServerArgs:
         parser.add_argument("--disable-overlap-schedule", action="store_true",
                             help="read each step's result before sending the next (by default "
                                  "the scheduler prepares step t+1 while the model runs step t)")
+        parser.add_argument("--speculative-algorithm", default="", choices=list(SPECULATIVE_ALGORITHMS),
+                            help="NGRAM: draft tokens from the request's own prompt and output and from "
+                                 "recent outputs, verified for every running row in one step; each step "
+                                 "speculates only where the measured step costs say it pays")
+        parser.add_argument("--speculative-num-draft-tokens", type=int,
+                            default=d["speculative_num_draft_tokens"].default,
+                            help="tokens a speculating row runs in one verify step: its last token and "
+                                 "up to this many minus one drafts")
+        parser.add_argument("--speculative-ngram-min-match-window-size", type=int,
+                            default=d["speculative_ngram_min_match_window_size"].default,
+                            help="the shortest suffix of a request's tokens that is looked up for drafts")
+        parser.add_argument("--speculative-ngram-max-match-window-size", type=int,
+                            default=d["speculative_ngram_max_match_window_size"].default,
+                            help="the longest suffix looked up (the longest match wins)")
+        parser.add_argument("--speculative-ngram-capacity", type=int,
+                            default=d["speculative_ngram_capacity"].default,
+                            help="n-grams of recent requests' outputs kept to draft from (0: none)")
         parser.add_argument("--disable-radix-cache", action="store_true",
                             help="turn off the prefix cache (on by default; static and dynamic "
                                  "batching always run without it)")

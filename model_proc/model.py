@@ -278,10 +278,12 @@ class LlamaForCausalLM(nn.Module):
         self.native_decoder: FusedDecoder | None = None  # set by the runner where one can run
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, extra_index: torch.Tensor | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, extra_index: torch.Tensor | None = None,
+                every_token: bool = False) -> torch.Tensor:
         """input_ids, positions [T] -> float32 logits [B, vocab] of each row's last token,
         followed by those of the tokens at flat indices `extra_index` (prompt
-        logprobs: only the positions some row asked for pay for the head)."""
+        logprobs: only the positions some row asked for pay for the head).
+        every_token: [T, vocab], every new token's (a speculative verify)."""
         num_tokens = input_ids.shape[0]
         if self.deterministic:
             # whole row blocks: torch's thread split of a per-token op then
@@ -303,7 +305,7 @@ class LlamaForCausalLM(nn.Module):
                 x = layer(x, *(local if local is not None and is_local else (cos, sin)), meta)
         # only the last token of each row is sampled: skip the rest of the
         # (vocab-sized) head for the prompt tokens of an extend
-        last = x[:num_tokens] if meta.is_decode else x[meta.qo_indptr[1:] - 1]
+        last = x[:num_tokens] if meta.is_decode or every_token else x[meta.qo_indptr[1:] - 1]
         if extra_index is not None and extra_index.numel():
             last = torch.cat([last, x[extra_index]])
         logits = self.lm_head(last, norm_eps=self.cfg.rms_norm_eps).float()

@@ -11,6 +11,7 @@ so that every rank feeds the same token back.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -28,7 +29,7 @@ from model_proc.model import LlamaForCausalLM, ModelConfig
 from model_proc.native_decoder import build_native_decoder
 from model_proc.parallel import SINGLE, TensorParallel, shard_heads
 from model_proc.penalties import PenaltyState
-from model_proc.sampler import Sampler, apply_token_bitmask, logprobs_of_ids
+from model_proc.sampler import Sampler, accept_drafts, apply_token_bitmask, logprobs_of_ids, per_token
 from model_proc.step_inputs import StepInputBuilder, StepInputs
 from model_proc.step_stats import DecodeStepStats
 from model_proc.quant import weight as quant_weight
@@ -143,14 +144,49 @@ class ModelRunner:
             window_pool_tokens=self.window_pool_tokens,
             sliding_window=self.sliding_window if self.window_pool_tokens else 0,
         )
+        if sa.speculative_algorithm and tp.size == 1:  # ranks would all have to run the probes
+            self.model_info.step_cost = self.measure_step_cost()
+            logger.info("Step cost for speculative decoding: %.2f ms + %.3f ms per token",
+                        *(1000 * x for x in self.model_info.step_cost))
+
+    @torch.inference_mode()
+    def measure_step_cost(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16), repeats: int = 3
+                          ) -> tuple[float, float]:
+        """A step's seconds as fixed + per_token x tokens: verify steps of one
+        row of n tokens (every token through the head, as a verify), timed
+        before the server takes requests, fitted by least squares over the
+        medians. The probe row is table row 0 and its tokens all go to slot 0,
+        the padding dummy, so no request's KV is touched."""
+        times = []
+        for n in sizes:
+            batch = ForwardBatch(forward_mode=ForwardMode.VERIFY, req_pool_indices=[0], seq_lens=[n],
+                                 prefix_lens=[0], input_ids=[0] * n, out_cache_loc=[0] * n,
+                                 temperatures=[0.0], top_ps=[1.0], top_ks=[-1], min_ps=[0.0], seeds=[-1],
+                                 sample_steps=[0])
+            runs = []
+            for _ in range(repeats + 1):  # the first warms up
+                start = time.perf_counter()
+                inputs = self.step_inputs.build(batch)
+                self.req_to_token.table[inputs.token_rows, inputs.positions] = 0
+                logits = self._run(inputs)
+                self.sampler(logits, inputs.sampling)
+                runs.append(time.perf_counter() - start)
+            times.append(sorted(runs[1:])[len(runs[1:]) // 2])
+        mean_n, mean_t = sum(sizes) / len(sizes), sum(times) / len(times)
+        per_token = sum((n - mean_n) * (t - mean_t) for n, t in zip(sizes, times)) / \
+            sum((n - mean_n) ** 2 for n in sizes)
+        per_token = max(per_token, 1e-6)
+        return max(mean_t - per_token * mean_n, 1e-6), per_token
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         start = time.perf_counter()
         inputs = self.prepare(batch)
-        bs = inputs.batch_size
+        verify = inputs.mode is ForwardMode.VERIFY
+        # the rows sampled: one per row, or (VERIFY) one per new token
+        n = inputs.num_tokens if verify else inputs.batch_size
         all_logits = self._run(inputs)
-        logits, prompt_logits = all_logits[:bs], all_logits[bs:]
+        logits, prompt_logits = all_logits[:n], all_logits[n:]
         if batch.penalty_inits:
             self.penalties.init_rows(batch)
         if batch.penalty_rows:  # in place; logprobs below are of the penalized logits, as SGLang's
@@ -161,18 +197,27 @@ class ModelRunner:
         # every rank samples the same logits alike; rank 0's tokens are
         # broadcast anyway, so no rounding difference can ever part the ranks
         next_ids = self.tp.broadcast_(self.sampler(logits, inputs.sampling))
-        self.last_sampled[inputs.req_pool_indices] = next_ids
+        result = ForwardResult(next_token_ids=next_ids.tolist())
+        if verify:
+            result.accept_lens = accept_drafts(batch.input_ids, inputs.extend_lens_host, result.next_token_ids)
+            kept = [o + a - 1 for o, a in zip(itertools.accumulate(inputs.extend_lens_host, initial=0),
+                                              result.accept_lens)]
+            self.last_sampled[inputs.req_pool_indices] = next_ids[kept]
+        else:
+            self.last_sampled[inputs.req_pool_indices] = next_ids
         if batch.penalty_rows:
             self.penalties.update(batch, next_ids, inputs.penalty_rows, inputs.req_pool_indices)
-        result = ForwardResult(next_token_ids=next_ids.tolist())
         if not self.tp.is_first:  # only rank 0 answers the scheduler
             return result
         if batch.return_logprob:
-            self._add_logprobs(result, logits, next_ids, batch.top_logprobs_nums, batch.token_ids_logprobs)
+            per_row = (batch.top_logprobs_nums, batch.token_ids_logprobs)
+            if verify:  # each token's logprobs, as asked for its row
+                per_row = tuple(per_token(x, inputs.extend_lens_host) if x else x for x in per_row)
+            self._add_logprobs(result, logits, next_ids, *per_row)
         if batch.input_logprob_rows:
             self._add_input_logprobs(result, prompt_logits, batch)
         result.forward_time = time.perf_counter() - start
-        self.step_stats.record(inputs.mode, bs, start, result.forward_time)
+        self.step_stats.record(inputs.mode, inputs.batch_size, start, result.forward_time)
         return result
 
     @staticmethod
@@ -241,7 +286,8 @@ class ModelRunner:
 
     def _run(self, inputs: StepInputs) -> torch.Tensor:
         meta = self.attn_backend.init_forward_metadata(inputs)
-        return self.model(inputs.input_ids, inputs.positions, meta, inputs.input_logprob_index)
+        return self.model(inputs.input_ids, inputs.positions, meta, inputs.input_logprob_index,
+                          every_token=inputs.mode is ForwardMode.VERIFY)
 
     def _rewrite_rows(self, rows: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> None:
         """req_to_token[rows[i], :lens[i]] = the next lens[i] of the flat slots."""
@@ -274,6 +320,10 @@ class ModelRunner:
             raise ValueError("ForwardBatch: a mixed step needs 0 < decode_rows <= rows, each of one new token")
         if not mode.is_mixed() and b.decode_rows:
             raise ValueError("ForwardBatch: decode_rows outside a mixed step")
+        if mode is ForwardMode.VERIFY and (b.penalty_rows or b.penalty_inits or b.grammar_rows
+                                           or b.input_logprob_rows):
+            # their state advances one token at a time; a verify samples several at once
+            raise ValueError("ForwardBatch: a verify step carries no penalties, grammar rows or prompt logprobs")
         if len(b.input_ids) != num_new or len(b.out_cache_loc) != num_new:
             raise ValueError(f"ForwardBatch: {num_new} new tokens but {len(b.input_ids)} input_ids, "
                              f"{len(b.out_cache_loc)} out_cache_loc")

@@ -68,6 +68,31 @@ class SamplingBatch:
         )
 
 
+def per_token(values: list, lens: list[int]) -> list:
+    """A per-row list repeated for each of the row's lens[i] tokens."""
+    return [v for v, n in zip(values, lens) for _ in range(n)]
+
+
+def accept_drafts(input_ids: list[int], lens: list[int], sampled: list[int]) -> list[int]:
+    """A verify step's rule (ForwardMode.VERIFY): row i's lens[i] inputs are
+    its last token and its drafts, and sampled[j] the token sampled after
+    input j. The row keeps its samples up to and including the first that
+    differs from the draft it follows: a draft is kept exactly when the
+    target, sampled at that position, would have produced it. With a draft
+    that is one fixed token this is rejection sampling itself: P(kept) =
+    p(draft), and a differing sample is a draw from p with the draft
+    excluded, renormalised (the residual distribution). Returns each row's
+    count of kept samples (1 + its accepted drafts)."""
+    kept, start = [], 0
+    for n in lens:
+        a = 1
+        while a < n and sampled[start + a - 1] == input_ids[start + a]:
+            a += 1
+        kept.append(a)
+        start += n
+    return kept
+
+
 def logprobs_of_ids(logprobs: torch.Tensor, ids: list[int]) -> list[list[float]]:
     """logprobs [N, V] -> per row, the logprob of each of `ids` (SGLang's
     token_ids_logprob), in their order: one gather for all the rows."""

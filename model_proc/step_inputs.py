@@ -25,7 +25,7 @@ from functools import cached_property
 import torch
 
 from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardMode
-from model_proc.sampler import SamplingBatch
+from model_proc.sampler import SamplingBatch, per_token
 
 
 @dataclass(eq=False)
@@ -182,23 +182,32 @@ class StepInputBuilder:
         decode = mode is ForwardMode.DECODE
         decode_rows = bs if decode else b.decode_rows if mode is ForwardMode.MIXED else 0
         index = _input_logprob_index(b)
+        # the sampled rows' parameters: one set per row, or per token (VERIFY)
+        temperatures, top_ps, top_ks_host, min_ps, seeds, steps = \
+            b.temperatures, b.top_ps, b.top_ks, b.min_ps, b.seeds, b.sample_steps
+        if mode is ForwardMode.VERIFY:
+            lens = [s - p for s, p in zip(b.seq_lens, b.prefix_lens)]
+            temperatures, top_ps, top_ks_host, min_ps, seeds = (
+                per_token(x, lens) for x in (temperatures, top_ps, top_ks_host, min_ps, seeds))
+            steps = [s + j for s, n in zip(steps, lens) for j in range(n)]
+        ns = len(temperatures)
         ints = array.array("q", b.req_pool_indices)
         ints.extend(b.seq_lens)
         if not decode:
             ints.extend(b.prefix_lens)
-        for part in (b.top_ks, b.input_ids, b.out_cache_loc, b.penalty_rows, index, b.table_rows, b.table_lens,
+        for part in (top_ks_host, b.input_ids, b.out_cache_loc, b.penalty_rows, index, b.table_rows, b.table_lens,
                      b.table_slots):
             ints.extend(part)
-        floats = array.array("f", b.temperatures)
-        floats.extend(b.top_ps)
-        floats.extend(b.min_ps)
+        floats = array.array("f", temperatures)
+        floats.extend(top_ps)
+        floats.extend(min_ps)
         i, f = self.ints.load(ints), self.floats.load(floats)
 
         rows, seq_lens = i[:bs], i[bs:2 * bs]
         at = 2 * bs
         if not decode:
             prefix_lens, at = i[at:at + bs], at + bs
-        top_ks, at = i[at:at + bs], at + bs
+        top_ks, at = i[at:at + ns], at + ns
         input_ids, at = i[at:at + num_tokens], at + num_tokens
         out_cache_loc, at = i[at:at + num_tokens], at + num_tokens
         penalty_rows, at = i[at:at + len(b.penalty_rows)], at + len(b.penalty_rows)
@@ -225,8 +234,8 @@ class StepInputBuilder:
             row_of = torch.repeat_interleave(self.arange[:bs], extend_lens, output_size=num_tokens)
             positions = torch.arange(num_tokens, device=self.device) - (qo_indptr[:-1] - prefix_lens)[row_of]
             token_rows = rows[row_of]
-        sampling = SamplingBatch.from_lists(b.temperatures, b.top_ps, b.top_ks, b.min_ps, b.seeds, b.sample_steps,
-                                            tensors=(f[:bs], f[bs:2 * bs], top_ks, f[2 * bs:3 * bs]))
+        sampling = SamplingBatch.from_lists(temperatures, top_ps, top_ks_host, min_ps, seeds, steps,
+                                            tensors=(f[:ns], f[ns:2 * ns], top_ks, f[2 * ns:3 * ns]))
         return StepInputs(
             mode, bs, num_tokens, decode_rows, rows, seq_lens, prefix_lens, input_ids, positions, token_rows,
             out_cache_loc, qo_indptr, kv_indptr, self.table, b.seq_lens, b.prefix_lens, sampling,

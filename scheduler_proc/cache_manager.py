@@ -208,7 +208,29 @@ class CacheManager:
             assert self.window_pool.pair(pages), "window pool short after making room"
         return pages
 
+    def can_alloc(self, reqs: list[Req], lens: list[int]) -> bool:
+        """Whether both pools have the pages that lens[i] more tokens of each
+        request open (a verify step's rows)."""
+        need = sum(slots_taken(r.kv_len, n, self.page_size) for r, n in zip(reqs, lens))
+        if self.available() < need:
+            return False
+        self._slide_windows(reqs)
+        return self.window_pool is None or self._window_room(need)
+
     def alloc_extend(self, reqs: list[Req], extend_lens: list[int]) -> torch.Tensor | None:
+        """Slots for the next extend_lens[i] prompt tokens of reqs[i] (alloc_tokens),
+        and the count of prompt tokens the prefix cache served."""
+        prefix_lens = [r.kv_len for r in reqs]
+        locs = self.alloc_tokens(reqs, extend_lens)
+        if locs is not None:
+            for r, p, n in zip(reqs, prefix_lens, extend_lens):
+                # prompt tokens served by the cache rather than computed: what was
+                # matched beyond what this request computed itself (earlier chunks)
+                r.cache_hit_tokens += max(0, p - r.already_computed)
+                r.already_computed = max(r.already_computed, p + n)
+        return locs
+
+    def alloc_tokens(self, reqs: list[Req], extend_lens: list[int]) -> torch.Tensor | None:
         """Slots for extend_lens[i] more tokens of reqs[i] after its kv_len,
         written into its table row (the rest of its last page, then new pages),
         and its kv_len advanced past them. Returns the slots concatenated
@@ -232,10 +254,6 @@ class CacheManager:
             parts.append(runs[used:used + k].reshape(-1)[:n - f])
             used += k
             self.table[row, p:p + n] = torch.cat(parts[-2:] if f else parts[-1:]).to(torch.int32)
-            # prompt tokens served by the cache rather than computed: what was
-            # matched beyond what this request computed itself (earlier chunks)
-            r.cache_hit_tokens += max(0, p - r.already_computed)
-            r.already_computed = max(r.already_computed, p + n)
             r.kv_len = p + n
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
@@ -260,6 +278,16 @@ class CacheManager:
         for r in reqs:
             r.kv_len += 1
         return locs
+
+    def trim(self, req: Req, kv_len: int) -> None:
+        """A verify step's rejected drafts: `req` holds KV for its first kv_len
+        tokens again, and the pages past the one holding its last go back
+        (the slots after it in that page stay its own, to be written next)."""
+        assert req.cached_prefix_len <= kv_len <= req.kv_len, "trim past the request's own tokens"
+        end = self.pages_for(kv_len)
+        if req.kv_len > end:
+            self._free(self.table[req.req_pool_idx, end:req.kv_len].long())
+        req.kv_len = kv_len
 
     def _slide_windows(self, reqs: list[Req]) -> None:
         """Unpair the window pages of each request's own tokens that no query

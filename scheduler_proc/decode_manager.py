@@ -16,6 +16,7 @@ from scheduler_proc.prefill_manager import PrefillManager
 from scheduler_proc.req import Req
 from scheduler_proc.request_queue import RequestQueue
 from scheduler_proc.schedule_batch import NEEDS_RESULTS, NeedsResults, ScheduleBatch
+from scheduler_proc.speculative.policy import Speculator
 from scheduler_proc.timeline import Timeline
 
 logger = logging.getLogger("scheduler_proc.scheduler")  # the retraction lines operators grep
@@ -27,8 +28,9 @@ class DecodeManager:
 
     def __init__(self, args: ServerArgs, context_len: int, cache: CacheManager, queue: RequestQueue,
                  prefill: PrefillManager, ratio: NewTokenRatio, timeline: Timeline,
-                 end: Callable[[Req], None]) -> None:
+                 end: Callable[[Req], None], speculator: Speculator | None = None) -> None:
         self.args = args
+        self.speculator = speculator
         self.context_len = context_len
         self.cache = cache
         self.queue = queue
@@ -91,6 +93,15 @@ class DecodeManager:
         its finished rows free their KV, and victims must have all their tokens."""
         batch = self.running_batch
         assert batch is not None
+        spec = self.speculator
+        if spec is not None and spec.can_verify(batch.reqs, batch.has_penalties, batch.has_grammar):
+            if step_in_flight:  # drafts follow the last token, and a verify's result sets kv_len
+                return NEEDS_RESULTS
+            drafts = spec.propose(batch.reqs)
+            if drafts is not None and self.cache.can_alloc(batch.reqs, [1 + len(d) for d in drafts]):
+                self.ratio.decay()
+                batch.prepare_for_verify(self.cache, drafts)
+                return batch
         if not self.cache.can_decode(batch.reqs):
             if step_in_flight:
                 return NEEDS_RESULTS

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from common.messages import AbortKind, BatchTokenOut, FinishLength, ForwardMode, ForwardResult, ToTokenizerMsg
 from scheduler_proc.cache_manager import CacheManager
 from scheduler_proc.req import Req
+from scheduler_proc.speculative.policy import Speculator
 from scheduler_proc.timeline import Timeline
 
 # "Decode batch." log lines go to the scheduler's logger, where operators grep them
@@ -30,8 +31,11 @@ class LaunchedStep:
     num_tokens: int
     launch_time: float
     input_logprob_rows: list[int]  # rows whose prompt logprobs the result carries, in its order
-    samples_constrained: bool  # it samples a token a grammar constrains: the next mask needs it
+    # the next step needs this one's tokens: a grammar's next mask, a spent
+    # thinking budget's forced token, or a verify's kept tokens (the rows' lengths)
+    next_needs_result: bool
     num_decode_rows: int  # rows decoding one token (all of a decode step, the running rows of a mixed one)
+    draft_lens: list[int] = field(default_factory=list)  # VERIFY: each row's drafts
 
 
 class OutputProcessor:
@@ -41,8 +45,9 @@ class OutputProcessor:
 
     def __init__(self, context_len: int, stream_interval: int, cache: CacheManager, timeline: Timeline,
                  send_output: Callable[[ToTokenizerMsg], None], retire: Callable[[Req], None],
-                 padded_row_steps: int) -> None:
+                 padded_row_steps: int, speculator: Speculator | None = None) -> None:
         self.context_len = context_len
+        self.speculator = speculator
         self.stream_interval = stream_interval
         self.cache = cache
         self.timeline = timeline
@@ -65,6 +70,21 @@ class OutputProcessor:
                 req.input_top_logprobs.extend(
                     list(zip(v, i)) for v, i in zip(result.input_top_logprob_vals[j],
                                                     result.input_top_logprob_ids[j]))
+        if step.forward_mode is ForwardMode.VERIFY:
+            self.process_verify(step, result)
+        else:
+            self.process_rows(step, result)
+        if step.num_decode_rows:
+            self.num_decode_steps += 1
+            self.decode_tokens_since_log += step.num_decode_rows
+            if self.num_decode_steps % DECODE_LOG_INTERVAL == 0:
+                self.log_decode_stats(step.num_decode_rows, num_waiting)
+        if self.speculator is not None and step.num_decode_rows:
+            self.speculator.observe_step(step.num_tokens, result.forward_time)
+        self.stream(step.reqs)
+
+    def process_rows(self, step: LaunchedStep, result: ForwardResult) -> None:
+        """A token per row (DECODE, EXTEND, MIXED)."""
         for i, (req, produces, token) in enumerate(zip(step.reqs, step.produces, result.next_token_ids)):
             if not produces:  # a chunk of a longer prompt: no token yet
                 continue
@@ -86,12 +106,29 @@ class OutputProcessor:
             self.append_token(req, i, token, result)
             if req.finished:
                 self.retire(req)
-        if step.num_decode_rows:
-            self.num_decode_steps += 1
-            self.decode_tokens_since_log += step.num_decode_rows
-            if self.num_decode_steps % DECODE_LOG_INTERVAL == 0:
-                self.log_decode_stats(step.num_decode_rows, num_waiting)
-        self.stream(step.reqs)
+
+    def process_verify(self, step: LaunchedStep, result: ForwardResult) -> None:
+        """Each row keeps result.accept_lens[i] of its sampled tokens (its
+        agreed drafts, then the sample after them): its KV past them goes back
+        first, then the tokens are appended one by one, up to the one that
+        finishes it (the rest are dropped, never streamed)."""
+        assert self.speculator is not None
+        start = 0
+        for req, drafted, kept in zip(step.reqs, step.draft_lens, result.accept_lens):
+            first, start = start, start + 1 + drafted
+            req.pending_tokens -= 1
+            self.total_row_steps += 1
+            if req.finished:  # aborted or stopped while the step ran: its KV is back already
+                continue
+            self.useful_row_steps += 1
+            self.cache.trim(req, req.kv_len - (1 + drafted - kept))
+            self.speculator.record(req, drafted, kept - 1)
+            for j in range(first, first + kept):
+                self.append_token(req, j, result.next_token_ids[j], result)
+                if req.finished:
+                    self.retire(req)
+                    break
+        self.speculator.stats.verify_steps += 1
 
     def append_token(self, req: Req, row: int, token: int, result: ForwardResult) -> None:
         req.output_ids.append(token)

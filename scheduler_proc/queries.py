@@ -15,6 +15,7 @@ from scheduler_proc.new_token_ratio import NewTokenRatio
 from scheduler_proc.output_processor import OutputProcessor
 from scheduler_proc.prefill_manager import PrefillManager
 from scheduler_proc.request_queue import RequestQueue
+from scheduler_proc.speculative.policy import Speculator
 from scheduler_proc.timeline import MAX_EVENTS_PER_CALL, Timeline
 
 
@@ -31,6 +32,7 @@ class SchedulerView(Protocol):
     timeline: Timeline
     radix_cache_enabled: bool
     invariant_error: str | None
+    speculator: Speculator | None
 
     def is_idle(self) -> bool: ...
 
@@ -88,4 +90,24 @@ def scheduler_state(sched: SchedulerView) -> dict[str, Any]:
         "batch_utilisation": sched.output.utilisation(),
         "useful_row_steps": sched.output.useful_row_steps,
         "total_row_steps": sched.output.total_row_steps,
+        **speculative_state(sched),
+    }
+
+
+def speculative_state(sched: SchedulerView) -> dict[str, Any]:
+    """--speculative-algorithm's counts (SGLang's names where it has them)."""
+    spec = sched.speculator
+    if spec is None:
+        return {"speculative_algorithm": ""}
+    stats = spec.stats
+    fixed, per_token = spec.cost.line()
+    return {
+        "speculative_algorithm": sched.args.speculative_algorithm,
+        "spec_verify_steps": stats.verify_steps,
+        "spec_draft_tokens": stats.drafted,
+        "spec_accepted_tokens": stats.accepted,
+        "spec_accept_rate": stats.accept_rate,
+        # tokens a speculating row kept per verify, over the last 256 rows
+        "avg_spec_accept_length": sum(stats.accept_lens) / len(stats.accept_lens) if stats.accept_lens else 0.0,
+        "spec_step_cost_ms": [1000 * fixed, 1000 * per_token],  # fixed, per token
     }

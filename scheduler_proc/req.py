@@ -44,9 +44,10 @@ class Req:
     grammar_future: Any = None
     grammar: Any = None  # a grammar.ReqGrammar once compiled
     thinking: ThinkingBudget | None = None  # a thinking budget: forces the closing tag once spent
+    draft_state: Any = None  # speculative decoding: a speculative.policy.DraftState once it drafts
 
     output_ids: list[int] = field(default_factory=list)
-    # Its KV residency: written by CacheManager only (admit, alloc_extend,
+    # Its KV residency: written by CacheManager only (admit, alloc_tokens, trim,
     # alloc_decode, cache_unfinished, release), read everywhere else.
     req_pool_idx: int = 0  # row of req_to_token while resident, 0 when not
     kv_len: int = 0  # tokens whose KV is in the pool, or will be once the steps sent have run

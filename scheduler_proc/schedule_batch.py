@@ -54,6 +54,7 @@ class ScheduleBatch:
     prefix_lens: list[int] = field(default_factory=list)  # each row's kv_len before the step
     seq_lens: list[int] = field(default_factory=list)  # each row's kv_len after it (ForwardBatch.seq_lens)
     decode_from: int = 0  # rows from here on decode one token (all in decode, none in a plain extend)
+    draft_lens: list[int] = field(default_factory=list)  # VERIFY: each row's drafts after its last token
     input_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     out_cache_loc: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     # rows whose prefix the cache manager rewrote: the model's table follows
@@ -126,6 +127,7 @@ class ScheduleBatch:
         (and their cached prefix) at admission."""
         self.forward_mode = ForwardMode.EXTEND
         self.decode_from = len(self.reqs)
+        self.draft_lens = []
         assert all(r.req_pool_idx for r in self.reqs), "extend of a request without a table row"
         self.prefix_lens = [r.kv_len for r in self.reqs]
         if extend_lens is None:
@@ -176,6 +178,7 @@ class ScheduleBatch:
         batching), which has no output."""
         self.forward_mode = ForwardMode.DECODE
         self.decode_from = 0
+        self.draft_lens = []
         self.prefix_lens = []
         self.penalty_inits = []
         self.kv_copy_src, self.kv_copy_dst = [], []
@@ -190,6 +193,30 @@ class ScheduleBatch:
         self.input_ids = torch.tensor(
             [FUTURE_TOKEN if r.pending_tokens or not r.output_ids else r.output_ids[-1] for r in self.reqs],
             dtype=torch.int64)
+
+    def prepare_for_verify(self, cache: CacheManager, drafts: list[list[int]]) -> None:
+        """Speculative decoding: each row runs its last sampled token (at
+        position kv_len, as in decode) and then its drafts, all sampled in one
+        step (ForwardMode.VERIFY). Its kv_len moves past all of them now; the
+        result trims it back to what the row keeps (CacheManager.trim). No
+        token may be in flight: the drafts follow the last one."""
+        assert all(not r.pending_tokens and r.output_ids for r in self.reqs), "verify with a token in flight"
+        self.forward_mode = ForwardMode.VERIFY
+        self.decode_from = 0
+        self.draft_lens = [len(d) for d in drafts]
+        self.penalty_inits = []
+        self.kv_copy_src, self.kv_copy_dst = [], []
+        self.input_logprob_rows, self.input_logprob_starts, self.input_logprob_targets = [], [], []
+        self.collect_table_rewrites(cache)
+        self.prefix_lens = [r.kv_len for r in self.reqs]
+        locs = cache.alloc_tokens(self.reqs, [1 + n for n in self.draft_lens])
+        if locs is None:
+            raise OutOfKVSlots(f"cannot allocate {len(self.reqs) + sum(self.draft_lens)} KV slots for a verify")
+        self.window_pages = cache.take_window_pages()
+        self.out_cache_loc = locs
+        self.seq_lens = [r.kv_len for r in self.reqs]
+        self.input_ids = torch.tensor([t for r, d in zip(self.reqs, drafts) for t in (r.output_ids[-1], *d)],
+                                      dtype=torch.int64)
 
     def mix_with_running(self, running: "ScheduleBatch") -> None:
         """Append the running batch, prepared for its decode step, as extend

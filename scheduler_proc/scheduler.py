@@ -24,6 +24,7 @@ from scheduler_proc.queries import answer
 from scheduler_proc.req import Req
 from scheduler_proc.request_queue import RequestQueue, default_queue_limit  # noqa: F401 (re-exported)
 from scheduler_proc.schedule_batch import NEEDS_RESULTS, NeedsResults, ScheduleBatch
+from scheduler_proc.speculative.policy import Speculator
 from scheduler_proc.timeline import Timeline
 from scheduler_proc.watchdog import Watchdog
 
@@ -65,11 +66,14 @@ class Scheduler:
         self.ratio = NewTokenRatio(server_args.schedule_conservativeness)
         self.queue = RequestQueue(server_args, model_info, self.cache.size, self.cache.pages_for)
         self.prefill = PrefillManager(server_args, self.cache, self.queue, self.timeline)
+        self.speculator = Speculator(server_args, model_info.step_cost, self.context_len) \
+            if server_args.speculative_algorithm else None
         self.decode = DecodeManager(server_args, self.context_len, self.cache, self.queue, self.prefill,
-                                    self.ratio, self.timeline, end=self.end)
+                                    self.ratio, self.timeline, end=self.end, speculator=self.speculator)
         self.output = OutputProcessor(self.context_len, server_args.stream_interval, self.cache,
                                       self.timeline, lambda msg: self.send_output(msg),
-                                      retire=self.retire, padded_row_steps=self.padded_row_steps)
+                                      retire=self.retire, padded_row_steps=self.padded_row_steps,
+                                      speculator=self.speculator)
         self.last_batch: ScheduleBatch | None = None
         self.num_consecutive_prefill = 0
         self.resuming_decode = False  # the last choice was a decode step that needed results first
@@ -127,6 +131,8 @@ class Scheduler:
         request that finished, not aborted, leaves its prompt and output in
         the prefix cache) unless the batch keeps its row as padding."""
         self.queue.forget(req)
+        if self.speculator is not None and not req.aborted:
+            self.speculator.finished(req)
         if not self.keeps_as_padding(req):
             self.cache.release(req, cache=not req.aborted)
 
@@ -193,12 +199,12 @@ class Scheduler:
             r.pending_tokens += p
         self.model.send(fb)
         # a spent thinking budget's forced token depends on this step's: no overlap either
-        constrained = bool(fb.grammar_rows) or any(
+        needs_result = bool(fb.grammar_rows) or batch.forward_mode is ForwardMode.VERIFY or any(
             r.thinking is not None and r.thinking.forces_soon(r.pending_tokens) for r in batch.reqs)
         self.inflight.append(LaunchedStep(batch.forward_mode, list(batch.reqs), produces,
                                           len(fb.out_cache_loc), time.perf_counter(),
-                                          fb.input_logprob_rows, constrained,
-                                          len(batch) - batch.decode_from))
+                                          fb.input_logprob_rows, needs_result,
+                                          len(batch) - batch.decode_from, batch.draft_lens))
 
     def resolve_oldest(self) -> None:
         result = self.model.recv()  # the step stays in flight while we wait: the watchdog measures it
@@ -244,9 +250,10 @@ class Scheduler:
             self.end(req)
         for req in self.queue.take_compiled():  # their grammar did not compile
             self.end(req)
-        if any(step.samples_constrained for step in self.inflight):
-            # a constrained row's next mask needs the token in flight: this
-            # step runs without overlap (see scheduler_proc/grammar.py)
+        if any(step.next_needs_result for step in self.inflight):
+            # a constrained row's next mask needs the token in flight, a row
+            # after a verify its kept tokens: this step runs without overlap
+            # (see scheduler_proc/grammar.py, scheduler_proc/speculative/)
             self.resolve_inflight()
         batch = self.choose()
         if batch is None and self.inflight:

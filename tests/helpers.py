@@ -179,6 +179,24 @@ class RunnerDriver:
             self.seq_lens[r] += 1
         return self._batch(ForwardMode.DECODE, rows, [], list(tokens), **sampling)
 
+    def verify(self, rows: list[int], last: list[int], drafts: list[list[int]], **sampling: Any) -> Any:
+        """A speculative verify: each row runs its last sampled token and its drafts."""
+        batch = self.extend(rows, [[t, *d] for t, d in zip(last, drafts)], **sampling)
+        batch.forward_mode = ForwardMode.VERIFY
+        return batch
+
+    def step_verify(self, batch: Any) -> list[list[int]]:
+        """Run a verify step: each row's kept tokens. A row's pool length falls
+        back to what it kept (the rejected drafts' slots are simply not reused)."""
+        result = self.runner.forward(batch)
+        kept, start = [], 0
+        for r, p, s, a in zip(batch.req_pool_indices, batch.prefix_lens, batch.seq_lens, result.accept_lens):
+            kept.append(result.next_token_ids[start:start + a])
+            start += s - p
+            self.seq_lens[r] = p + a
+            self.generated[r] += a
+        return kept
+
     def _batch(self, mode: ForwardMode, rows: list[int], prefix: list[int], flat: list[int],
                decode_rows: int = 0, temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
                min_p: float = 0.0, seed: int = -1) -> Any:

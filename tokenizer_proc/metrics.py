@@ -97,6 +97,12 @@ class ServerMetrics:
                    "prompt tokens offered to it at admission.", s["cache_hit_rate"])
             scalar("evictable_kv_slots", "gauge", "KV slots cached and evictable.",
                    s["evictable_kv_slots"])
+            if s.get("speculative_algorithm"):
+                scalar("spec_verify_steps_total", "counter", "Steps that verified drafts.", s["spec_verify_steps"])
+                scalar("spec_draft_tokens_total", "counter", "Draft tokens verified.", s["spec_draft_tokens"])
+                scalar("spec_accepted_tokens_total", "counter", "Draft tokens accepted.",
+                       s["spec_accepted_tokens"])
+                scalar("spec_accept_rate", "gauge", "Accepted over verified draft tokens.", s["spec_accept_rate"])
         scalar("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                self.prompt_tokens)
         scalar("cached_tokens_total", "counter", "Prompt tokens of finished requests served "

@@ -68,7 +68,7 @@ def test_eos_ids_merge_config_and_generation_config(tiny_llama_dir, make_runner,
     lambda b: b.prefix_lens.__setitem__(0, b.seq_lens[0]),
     lambda b: b.req_pool_indices.__setitem__(0, 0),
     lambda b: b.temperatures.pop(),
-    lambda b: setattr(b, "forward_mode", "verify"),
+    lambda b: setattr(b, "forward_mode", "bogus"),
 ], ids=["ids", "seq_len", "slot", "prefix", "row", "sampling", "mode"])
 def test_malformed_batches_are_rejected(break_it, tiny_llama_dir, make_runner):
     driver = RunnerDriver(make_runner(tiny_llama_dir))

@@ -27,13 +27,21 @@ the row while the row is in `penalty_rows`), and a penalized row's next token
 depends on that history (`penalized_next_token`): a history that misses a
 token (after a retraction, under the overlap schedule) or counts one the
 request never got (a mid-prompt chunk) changes the output.
+
+Speculative verify steps (ForwardMode.VERIFY) sample after every token of a
+row and keep the agreeing drafts by the model process's own rule
+(`accept_drafts`); the slots of rejected drafts hold their fingerprints until
+reused, so a row whose length was not trimmed back reads a wrong prefix.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardResult, ModelInfo
+from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardMode, ForwardResult, ModelInfo
+from model_proc.sampler import accept_drafts
 
 VOCAB = 1000
 EOS = 2
@@ -77,13 +85,19 @@ def chain(prev: int, token: int) -> int:
 
 class FakeModel:
     def __init__(self, eos_one_in: int = 0, content_dependent: bool = False,
-                 max_total_tokens: int = 1 << 14, max_rows: int = 1024, context_len: int = 4096) -> None:
+                 max_total_tokens: int = 1 << 14, max_rows: int = 1024, context_len: int = 4096,
+                 jitter_one_in: int = 0) -> None:
+        """jitter_one_in > 0: at about one position in that many, the next token
+        also depends on the position (an output that loops, but not exactly:
+        drafts looked up in it are sometimes wrong)."""
         self.eos_one_in = eos_one_in
         self.content_dependent = content_dependent
+        self.jitter_one_in = jitter_one_in
         self.batches: list[ForwardBatch] = []
         self.last_sampled: dict[int, int] = {}  # req_pool_idx -> token sampled last
         self.penalty_history: dict[int, list[int]] = {}  # req_pool_idx -> output ids held for it
         self.copied_rows = 0  # KV rows copied (ForwardBatch.kv_copy_src/dst)
+        self.verify_steps = 0  # ForwardMode.VERIFY steps run
         self.table = torch.zeros(max_rows + 1, context_len, dtype=torch.int64)
         self.slot_pos = torch.full((max_total_tokens + 1,), -1, dtype=torch.int64)
         self.slot_prev = torch.zeros(max_total_tokens + 1, dtype=torch.int64)
@@ -124,6 +138,8 @@ class FakeModel:
         for init in batch.penalty_inits:
             self.penalty_history[rows[init.row]] = list(init.output_ids)
         penalized = set(batch.penalty_rows)
+        verify = batch.forward_mode is ForwardMode.VERIFY
+        assert not (verify and (penalized or batch.grammar_rows)), "a verify with penalties or a grammar"
         out, start = [], 0
         for pos, (row, p, n) in enumerate(zip(rows, prefixes, counts)):
             h = int(self.slot_hash[self.table[row, p - 1]]) if p else 0
@@ -133,16 +149,33 @@ class FakeModel:
                 self.slot_pos[slot], self.slot_prev[slot] = p + i, h
                 h = chain(h, token)
                 self.slot_hash[slot] = h
+                if verify:  # every token is sampled
+                    out.append(self.sample(h, token, p + i))
             start += n
+            if verify:
+                continue
             last = input_ids[start - 1]
             if pos in penalized:
                 history = self.penalty_history[row]
                 out.append(penalized_next_token(last, history))
                 history.append(out[-1])
             else:
-                out.append(next_token(h % VOCAB if self.content_dependent else last, self.eos_one_in))
+                out.append(self.sample(h, last, p + n - 1))
+        if verify:
+            kept = accept_drafts(input_ids, counts, out)
+            ends = itertools.accumulate(counts)
+            self.last_sampled.update((row, out[end - n + a - 1]) for row, end, n, a in zip(rows, ends, counts, kept))
+            self.verify_steps += 1
+            return ForwardResult(next_token_ids=out, accept_lens=kept)
         self.last_sampled.update(zip(rows, out))
         return ForwardResult(next_token_ids=out)
+
+    def sample(self, chained: int, last: int, position: int) -> int:
+        """The token after `last` at `position` (chained: the hash up to it)."""
+        token = next_token(chained % VOCAB if self.content_dependent else last, self.eos_one_in)
+        if self.jitter_one_in and (position * 2654435761) % 1013 % self.jitter_one_in == 0:
+            token = (token + position) % (VOCAB - 10) + 10
+        return token
 
     def _check_prefix(self, row: int, n: int) -> None:
         """The row's first n positions hold one consistent sequence."""

@@ -1,0 +1,147 @@
+"""Speculative decoding (--speculative-algorithm NGRAM) inside continuous
+batching: outputs equal to the run without it, KV accounts exact after every
+step, under retraction, chunked prefill, aborts, stop tokens, pages and the
+overlap schedule; and the policy that decides when a verify pays."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from common.messages import AbortReq, SamplingParams, TokenizedGenerateReq
+from common.server_args import ServerArgs
+from scheduler_proc.create import create_scheduler
+from scheduler_proc.kv_invariant import check_kv_invariant
+from scheduler_proc.speculative.policy import StepCost
+from tests.scheduler.fake_model import FakeModel, fake_model_info
+from tests.scheduler.test_scheduler import assert_no_leak
+from tokenizer_proc.finish_json import finish_json
+
+
+def run_load(seed: int, speculate: bool, aborts: bool = False, eos_one_in: int = 0, jitter: int = 5, **args):
+    """A seeded random load on the fake model, driven step by step with the
+    KV accounts checked after every step. Returns (per rid: tokens, finish),
+    the scheduler and the model."""
+    rng = random.Random(seed)
+    args = ServerArgs(model_path="fake", max_running_requests=6, enable_mixed_chunk=False,
+                      speculative_algorithm="NGRAM" if speculate else "", **args)
+    model = FakeModel(eos_one_in=eos_one_in, jitter_one_in=jitter)
+    outputs: list = []
+    sched = create_scheduler(args, fake_model_info(max_total_tokens=args.max_total_tokens or 4096), model,
+                             outputs.append)
+    arrivals: dict[int, list[TokenizedGenerateReq]] = {}
+    for i in range(16):
+        # prompts that repeat themselves, so prompt lookup finds drafts; the
+        # fake model's next token is a function of the last one, so outputs loop
+        unit = [rng.randrange(10, 1000) for _ in range(rng.randint(2, 6))]
+        prompt = (unit * 8)[:rng.randint(4, 40)]
+        stops = [rng.randrange(10, 1000) for _ in range(3)] if rng.random() < 0.3 else []
+        sp = SamplingParams(max_new_tokens=rng.randint(1, 60), temperature=0.0, stop_token_ids=stops)
+        arrivals.setdefault(rng.randrange(0, 30), []).append(
+            TokenizedGenerateReq(rid=f"r{i}", input_ids=prompt, sampling_params=sp))
+    abort_at = {rng.randrange(5, 40): f"r{i}" for i in rng.sample(range(16), 3)} if aborts else {}
+    for step in range(2000):
+        sched.process_input_requests(arrivals.pop(step, []))
+        if step in abort_at:
+            sched.process_input_requests([AbortReq(rid=abort_at[step])])
+        batch = sched.step()
+        error = check_kv_invariant(sched.cache)
+        assert error is None, f"step {step}: {error}"
+        if batch is None and not arrivals and sched.is_idle():
+            break
+    else:
+        raise AssertionError("the scheduler did not go idle")
+    assert_no_leak(sched)
+    results: dict[str, tuple[list[int], dict]] = {}
+    for msg in outputs:
+        for rid, new, reason in zip(msg.rids, msg.new_token_ids, msg.finished_reasons):
+            tokens, _ = results.get(rid, ([], None))
+            results[rid] = (tokens + list(new), finish_json(reason) if reason is not None else None)
+    return results, sched, model
+
+
+LOADS = {
+    "roomy": {},
+    "retracting": {"max_total_tokens": 200, "schedule_conservativeness": 0.05},
+    "chunked": {"chunked_prefill_size": 8},
+    "paged": {"page_size": 16, "max_total_tokens": 1024},
+    "eos": {"eos": 7},
+}
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+@pytest.mark.parametrize("load", list(LOADS))
+def test_outputs_equal_the_run_without_speculation(load, overlap):
+    args = dict(LOADS[load], disable_overlap_schedule=not overlap)
+    eos = args.pop("eos", 0)
+    for seed in range(3):
+        ref, _, _ = run_load(seed, speculate=False, eos_one_in=eos, **args)
+        got, sched, model = run_load(seed, speculate=True, eos_one_in=eos, **args)
+        assert got == ref, f"seed {seed}"
+        assert all(reason is not None for _, reason in got.values())
+        stats = sched.speculator.stats
+        # drafts were verified, some kept and some rejected (their KV given back)
+        assert model.verify_steps > 0 and 0 < stats.accepted < stats.drafted, stats
+        if load == "retracting":
+            assert sched.decode.total_retractions > 0
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+def test_aborted_requests_end_with_a_prefix_of_their_output(overlap):
+    ref, _, _ = run_load(5, speculate=False, disable_overlap_schedule=not overlap)
+    got, _, _ = run_load(5, speculate=True, aborts=True, disable_overlap_schedule=not overlap)
+    aborted = [rid for rid, (_, reason) in got.items() if reason["type"] == "abort"]
+    assert aborted
+    for rid, (tokens, reason) in got.items():
+        full = ref[rid][0]
+        if reason["type"] == "abort":
+            assert tokens == full[:len(tokens)]
+        else:
+            assert (tokens, reason) == ref[rid]
+
+
+def test_max_new_tokens_is_never_exceeded_and_drafts_stop_short_of_it():
+    got, sched, model = run_load(2, speculate=True)
+    from common.messages import ForwardMode
+    for batch in model.batches:
+        if batch.forward_mode is ForwardMode.VERIFY:
+            assert len(batch.input_ids) > len(batch.req_pool_indices)
+    for rid, (tokens, reason) in got.items():
+        if reason["type"] == "length":
+            assert len(tokens) == reason["length"]
+
+
+def test_step_cost_line_follows_the_steps_it_sees():
+    cost = StepCost(0.010, 0.001)  # the start-up prior
+    assert cost.line() == pytest.approx((0.010, 0.001))
+    for _ in range(300):  # the machine turned out slower per token
+        for n in (1, 4, 12):
+            cost.observe(n, 0.012 + 0.003 * n)
+    fixed, per_token = cost.line()
+    assert fixed == pytest.approx(0.012, rel=0.02) and per_token == pytest.approx(0.003, rel=0.02)
+
+
+def test_the_policy_keeps_drafts_while_they_pay_and_none_in_a_large_batch():
+    from scheduler_proc.speculative.policy import Speculator
+    from scheduler_proc.req import Req
+
+    def reqs(n: int, rate: float) -> list[Req]:
+        out = []
+        for i in range(n):
+            r = Req(rid=f"r{i}", origin_input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=100),
+                    stop_token_ids=frozenset(), output_ids=[4])
+            spec.state(r).accept_rate = rate
+            out.append(r)
+        return out
+
+    spec = Speculator(ServerArgs(model_path="fake", speculative_algorithm="NGRAM"), (0.020, 0.001), 4096)
+    drafts = [[5, 6, 7, 8, 9, 10, 11]]
+    # one row, drafts usually right: all kept; usually wrong: none
+    assert spec.choose(reqs(1, 0.9), drafts) == drafts
+    assert spec.choose(reqs(1, 0.02), drafts) is None
+    # at 64 rows the fixed cost is shared already: even good drafts do not pay
+    assert spec.choose(reqs(64, 0.5), drafts * 64) is None
+    # a middling rate at one row: the first drafts pay, the far ones not
+    kept = spec.choose(reqs(1, 0.6), drafts)
+    assert kept is not None and 0 < len(kept[0]) < 7
