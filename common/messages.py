@@ -250,6 +250,10 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     input_token_ids_logprobs: list[list[list[float] | None]] = []
     queue_times: list[float] = []  # seconds from arrival to the first prefill
     first_token_times: list[float] = []  # wall-clock time.time() of the first output token
+    # with --speculative-algorithm (else empty): per row, the verify steps it
+    # drafted in (SGLang's spec_verify_ct) and the drafts they kept
+    spec_verify_ct: list[int] = []
+    spec_accepted_tokens: list[int] = []
 
 
 class SchedulerReply(msgspec.Struct, tag=True):

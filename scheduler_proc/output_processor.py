@@ -180,6 +180,10 @@ class OutputProcessor:
             self.add_input_logprobs(out, req)
             out.queue_times.append(req.queue_time)
             out.first_token_times.append(req.first_token_time)
+            if self.speculator is not None:
+                state = req.draft_state
+                out.spec_verify_ct.append(state.verify_ct if state is not None else 0)
+                out.spec_accepted_tokens.append(state.accepted if state is not None else 0)
             req.sent_len = len(req.output_ids)
             req.finish_sent = req.finished
             if req.finished:

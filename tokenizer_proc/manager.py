@@ -68,6 +68,8 @@ class ReqState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     num_retractions: int = 0
+    # speculative decoding (None: the server does not speculate): verify steps, drafts kept
+    spec: tuple[int, int] | None = None
     queue_time: float = 0.0  # seconds from arrival at the scheduler to its first prefill
     arrival_wall: float = 0.0  # time.time() at arrival, for latency metrics
     first_token_wall: float = 0.0  # time.time() of the first output token (scheduler's clock)
@@ -350,6 +352,8 @@ class TokenizerManager:
             state.completion_tokens = out.completion_tokens[i]
             state.cached_tokens = out.cached_tokens[i]
             state.num_retractions = out.num_retractions[i]
+            if out.spec_verify_ct:
+                state.spec = (out.spec_verify_ct[i], out.spec_accepted_tokens[i])
             if out.queue_times:
                 state.queue_time = out.queue_times[i]
             if out.first_token_times and out.first_token_times[i]:

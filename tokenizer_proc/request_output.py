@@ -196,7 +196,7 @@ class RequestOutput:
 
     def meta_info(self) -> dict[str, Any]:
         st = self.state
-        return {
+        info = {
             "id": st.rid,
             "prompt_tokens": st.prompt_tokens,
             "completion_tokens": len(self.ids),
@@ -206,3 +206,8 @@ class RequestOutput:
             "finish_reason": finish_json(self.finish_reason),
             "e2e_latency": time.perf_counter() - st.arrival,
         }
+        if st.spec is not None:  # SGLang's names: verify steps, and tokens per verify when it drafted
+            verify_ct, accepted = st.spec
+            info["spec_verify_ct"] = verify_ct
+            info["spec_accept_length"] = (verify_ct + accepted) / verify_ct if verify_ct else 0.0
+        return info

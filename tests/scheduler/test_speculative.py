@@ -145,3 +145,43 @@ def test_the_policy_keeps_drafts_while_they_pay_and_none_in_a_large_batch():
     # a middling rate at one row: the first drafts pay, the far ones not
     kept = spec.choose(reqs(1, 0.6), drafts)
     assert kept is not None and 0 < len(kept[0]) < 7
+
+
+def test_tiny_model_greedy_and_seeded_outputs_equal_the_run_without_speculation(tiny_llama_dir):
+    """The real model (tiny, random weights) in process, overlap schedule on
+    (the fake-model loads above cover the plain loop). A repeated request
+    drafts from the first one's output (the table of recent outputs), so most
+    drafts are right; the rest are checked as well. Seeded sampled rows draw
+    each token with (seed, step), so they too must match token for token."""
+    overlap = True
+    from tests.scheduler.test_engine_matches_transformers import Engine
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (6, 11, 20)]
+
+    def run(speculate: bool):
+        engine = Engine(tiny_llama_dir, max_running_requests=4, max_total_tokens=600,
+                        disable_overlap_schedule=not overlap,
+                        speculative_algorithm="NGRAM" if speculate else "")
+        sched = engine.sched
+        plan = {0: [("g0", 0, 0.0), ("s0", 1, 1.0)], 2: [("g1", 2, 0.0)],
+                45: [("g0b", 0, 0.0), ("s0b", 1, 1.0)], 50: [("g1b", 2, 0.0)]}
+        for step in range(3000):
+            for rid, p, temperature in plan.pop(step, []):
+                sp = SamplingParams(max_new_tokens=30, temperature=temperature, top_k=40, seed=11,
+                                    ignore_eos=True)
+                sched.process_input_requests([TokenizedGenerateReq(
+                    rid=rid, input_ids=prompts[p], sampling_params=sp, return_logprob=True)])
+                engine.reqs[rid] = sched.queue.by_rid[rid]
+            if sched.step() is None and not plan and sched.is_idle():
+                break
+            assert check_kv_invariant(sched.cache) is None
+        engine.assert_no_leak()
+        return engine
+
+    ref, got = run(False), run(True)
+    stats = got.sched.speculator.stats
+    assert stats.accepted >= 20, stats  # the repeats drafted from the first requests' outputs
+    for rid, req in ref.reqs.items():
+        assert got.reqs[rid].output_ids == req.output_ids, rid
+        assert got.reqs[rid].output_token_logprobs == pytest.approx(req.output_token_logprobs, abs=1e-4)
