@@ -196,6 +196,8 @@ class ServerArgs:
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     speculative_ngram_capacity: int = 1_000_000  # n-grams of recent outputs kept for drafting
+    # verify every draft found, whatever the step costs say (to measure the adaptive policy against)
+    disable_speculative_adaptive: bool = False
     disable_radix_cache: bool = False  # no prefix cache: every request computes its whole prompt
     # cached tokens no running request uses that the prefix cache keeps before a new page
     # reuses its least recently used ones rather than untouched pool memory; None: 16384
@@ -549,6 +551,9 @@ class ServerArgs:
         parser.add_argument("--speculative-ngram-capacity", type=int,
                             default=d["speculative_ngram_capacity"].default,
                             help="n-grams of recent requests' outputs kept to draft from (0: none)")
+        parser.add_argument("--disable-speculative-adaptive", action="store_true",
+                            help="verify every draft found, even where the measured step costs say it "
+                                 "does not pay (to measure the adaptive policy against)")
         parser.add_argument("--disable-radix-cache", action="store_true",
                             help="turn off the prefix cache (on by default; static and dynamic "
                                  "batching always run without it)")

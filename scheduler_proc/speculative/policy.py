@@ -98,6 +98,7 @@ class SpecStats:
 class Speculator:
     def __init__(self, args: ServerArgs, step_cost: tuple[float, float], context_len: int) -> None:
         self.max_drafts = args.speculative_num_draft_tokens - 1
+        self.adaptive = not args.disable_speculative_adaptive
         self.min_window = args.speculative_ngram_min_match_window_size
         self.max_window = args.speculative_ngram_max_match_window_size
         self.context_len = context_len
@@ -139,7 +140,9 @@ class Speculator:
         """Cut the drafts to those whose expected gain pays for their tokens:
         the j-th draft of a row adds accept_rate ** j tokens on average and
         one token's cost. Drafts are kept best first while the step's expected
-        tokens per second rise."""
+        tokens per second rise. Not adaptive: every draft is kept."""
+        if not self.adaptive:
+            return drafts if any(drafts) else None
         fixed, per_token = self.cost.line()
         gains = sorted(((self.state(r).accept_rate ** (j + 1), i)
                         for i, (r, d) in enumerate(zip(reqs, drafts)) for j in range(len(d))), reverse=True)

@@ -23,7 +23,13 @@ COPYING = ["Repeat this sentence exactly, three times: The quick brown fox jumps
 
 @pytest.fixture(scope="module")
 def spec_server():
-    srv = ServerProcess("--max-running-requests", "4", "--enable-metrics", "--speculative-algorithm", "NGRAM")
+    """Every draft verified (--disable-speculative-adaptive), and drafts only
+    from the request's own tokens (no table of recent outputs): which steps
+    verify what depends on the request alone, not on the step times this
+    machine measures nor on the requests before it (the adaptive policy and
+    the table: tests/scheduler/test_speculative.py, and the benchmark)."""
+    srv = ServerProcess("--max-running-requests", "4", "--enable-metrics", "--speculative-algorithm", "NGRAM",
+                        "--disable-speculative-adaptive", "--speculative-ngram-capacity", "0")
     yield srv
     srv.kill()
 
