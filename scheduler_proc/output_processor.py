@@ -79,7 +79,7 @@ class OutputProcessor:
             self.decode_tokens_since_log += step.num_decode_rows
             if self.num_decode_steps % DECODE_LOG_INTERVAL == 0:
                 self.log_decode_stats(step.num_decode_rows, num_waiting)
-        if self.speculator is not None and step.num_decode_rows:
+        if self.speculator is not None and step.forward_mode in (ForwardMode.DECODE, ForwardMode.VERIFY):
             self.speculator.observe_step(step.num_tokens, result.forward_time)
         self.stream(step.reqs)
 

@@ -24,6 +24,9 @@ from scheduler_proc.speculative.ngram import PromptLookup, SuffixTable
 
 EMA_WEIGHT = 0.3  # a verify's weight in a row's acceptance rate
 PRIOR_ACCEPT_RATE = 0.5  # a row's rate before its first verify (then the server-wide rate)
+# a row whose drafts were passed over moves this share of the way back to the
+# server-wide rate each step: its drafts may have become good since (a quote)
+RETRY_DRIFT = 0.05
 # the cost line when the model did not measure one (an in-process test model):
 # a 2-core CPU's small model, 20 ms a step plus 1 ms a token
 DEFAULT_STEP_COST = (0.02, 0.001)
@@ -155,6 +158,10 @@ class Speculator:
             tokens += gain
             seconds += per_token
             keep[i] += 1
+        for r, d, k in zip(reqs, drafts, keep):
+            if d and not k:  # passed over: drift back towards the server's rate, to be tried again
+                state = self.state(r)
+                state.accept_rate += RETRY_DRIFT * max(0.0, self.server_rate - state.accept_rate)
         if not any(keep):
             return None
         return [d[:k] for d, k in zip(drafts, keep)]
