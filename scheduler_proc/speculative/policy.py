@@ -122,33 +122,40 @@ class Speculator:
             req.draft_state = DraftState(PromptLookup(self.min_window, self.max_window), self.server_rate)
         return req.draft_state
 
+    def room(self, req: Req) -> int:
+        """Drafts a row may take: never past max_new_tokens nor the context."""
+        return min(self.max_drafts, req.sampling_params.max_new_tokens - len(req.output_ids) - 1,
+                   self.context_len - req.num_tokens - 1)
+
+    def may_pay(self, reqs: list[Req]) -> bool:
+        """Whether drafts could pay in this batch at all, were every row to
+        find all it may take: asked before the step in flight is waited for
+        (a verify needs its tokens), so a batch too large to gain keeps the
+        overlap schedule."""
+        return not self.adaptive or any(self.keep(reqs, [max(0, self.room(r)) for r in reqs]))
+
     def propose(self, reqs: list[Req]) -> list[list[int]] | None:
         """Each row's drafts for this step (some may be empty), or None when
         no draft is expected to pay. Rows must have no token in flight."""
         drafts = []
         for r in reqs:
-            room = min(self.max_drafts, r.sampling_params.max_new_tokens - len(r.output_ids) - 1,
-                       self.context_len - r.num_tokens - 1)
-            if room <= 0:
-                drafts.append([])
-                continue
-            tokens = r.fill_ids
-            found = self.state(r).lookup.propose(tokens, room)
-            if not found and self.suffixes is not None:
-                found = self.suffixes.propose(tokens, room)
+            room = self.room(r)
+            found: list[int] = []
+            if room > 0:
+                found = self.state(r).lookup.propose(r.fill_ids, room)
+                if not found and self.suffixes is not None:
+                    found = self.suffixes.propose(r.fill_ids, room)
             drafts.append(found)
         return self.choose(reqs, drafts)
 
-    def choose(self, reqs: list[Req], drafts: list[list[int]]) -> list[list[int]] | None:
-        """Cut the drafts to those whose expected gain pays for their tokens:
-        the j-th draft of a row adds accept_rate ** j tokens on average and
-        one token's cost. Drafts are kept best first while the step's expected
-        tokens per second rise. Not adaptive: every draft is kept."""
-        if not self.adaptive:
-            return drafts if any(drafts) else None
+    def keep(self, reqs: list[Req], found: list[int]) -> list[int]:
+        """How many of row i's found[i] drafts pay for their tokens: the j-th
+        draft of a row adds accept_rate ** j tokens on average and one token's
+        cost; drafts are kept best first while the step's expected tokens per
+        second rise."""
         fixed, per_token = self.cost.line()
         gains = sorted(((self.state(r).accept_rate ** (j + 1), i)
-                        for i, (r, d) in enumerate(zip(reqs, drafts)) for j in range(len(d))), reverse=True)
+                        for i, (r, n) in enumerate(zip(reqs, found)) for j in range(n)), reverse=True)
         tokens = float(len(reqs))  # expected tokens out of the step
         seconds = fixed + per_token * len(reqs)
         keep = [0] * len(reqs)
@@ -158,6 +165,14 @@ class Speculator:
             tokens += gain
             seconds += per_token
             keep[i] += 1
+        return keep
+
+    def choose(self, reqs: list[Req], drafts: list[list[int]]) -> list[list[int]] | None:
+        """The drafts cut to those that pay (keep), or None if none does. Not
+        adaptive: every draft is kept."""
+        if not self.adaptive:
+            return drafts if any(drafts) else None
+        keep = self.keep(reqs, [len(d) for d in drafts])
         for r, d, k in zip(reqs, drafts, keep):
             if d and not k:  # passed over: drift back towards the server's rate, to be tried again
                 state = self.state(r)

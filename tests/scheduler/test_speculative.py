@@ -145,6 +145,8 @@ def test_the_policy_keeps_drafts_while_they_pay_and_none_in_a_large_batch():
     # a middling rate at one row: the first drafts pay, the far ones not
     kept = spec.choose(reqs(1, 0.6), drafts)
     assert kept is not None and 0 < len(kept[0]) < 7
+    # asked before waiting for the step in flight: a large batch keeps its overlap
+    assert spec.may_pay(reqs(1, 0.5)) and not spec.may_pay(reqs(64, 0.5))
 
 
 def test_tiny_model_greedy_and_seeded_outputs_equal_the_run_without_speculation(tiny_llama_dir):
