@@ -320,10 +320,9 @@ class ModelRunner:
             raise ValueError("ForwardBatch: a mixed step needs 0 < decode_rows <= rows, each of one new token")
         if not mode.is_mixed() and b.decode_rows:
             raise ValueError("ForwardBatch: decode_rows outside a mixed step")
-        if mode is ForwardMode.VERIFY and (b.penalty_rows or b.penalty_inits or b.grammar_rows
-                                           or b.input_logprob_rows):
-            # their state advances one token at a time; a verify samples several at once
-            raise ValueError("ForwardBatch: a verify step carries no penalties, grammar rows or prompt logprobs")
+        if mode is ForwardMode.VERIFY and (b.penalty_rows or b.penalty_inits or b.input_logprob_rows):
+            # penalty state advances one token at a time; a verify samples several at once
+            raise ValueError("ForwardBatch: a verify step carries no penalties or prompt logprobs")
         if len(b.input_ids) != num_new or len(b.out_cache_loc) != num_new:
             raise ValueError(f"ForwardBatch: {num_new} new tokens but {len(b.input_ids)} input_ids, "
                              f"{len(b.out_cache_loc)} out_cache_loc")
@@ -361,10 +360,11 @@ class ModelRunner:
         if b.token_ids_logprobs and (len(b.token_ids_logprobs) != bs or any(
                 not 0 <= t < self.model_config.vocab_size for ids in b.token_ids_logprobs for t in ids)):
             raise ValueError("ForwardBatch: token_ids_logprobs needs one list per row, of ids in the vocabulary")
-        if b.grammar_rows:
+        if b.grammar_rows:  # rows sampled: VERIFY samples every new token
             words = (self.model_config.vocab_size + 31) // 32
+            sampled = num_new if mode is ForwardMode.VERIFY else bs
             if len(set(b.grammar_rows)) != len(b.grammar_rows) or min(b.grammar_rows) < 0 \
-                    or max(b.grammar_rows) >= bs or len(b.grammar_bitmask) != 4 * words * len(b.grammar_rows):
+                    or max(b.grammar_rows) >= sampled or len(b.grammar_bitmask) != 4 * words * len(b.grammar_rows):
                 raise ValueError("ForwardBatch: grammar_rows/grammar_bitmask are inconsistent")
 
     def _check_input_logprobs(self, b: ForwardBatch, bs: int) -> None:

@@ -346,6 +346,44 @@ class ReqGrammar:
         """The matcher accepted a stop token: the output is complete."""
         return bool(self.matcher.is_terminated())
 
+    def allowed_prefix(self, drafts: list[int]) -> int:
+        """Speculative decoding: how many leading drafts the grammar allows,
+        stopping before one it rejects or one that would complete it (a stop
+        token is left for the step to sample). The matcher is left as it was."""
+        n = 0
+        for token in drafts:
+            if not self.matcher.accept_token(token):
+                break
+            n += 1
+            if self.matcher.is_terminated():
+                n -= 1
+                self.matcher.rollback(1)
+                break
+        if n:
+            self.matcher.rollback(n)
+        return n
+
+
+def fill_draft_bitmasks(rows: list[tuple[ReqGrammar, list[int]]]) -> bytes:
+    """A verify step's masks for its grammar rows: per row, the allowed tokens
+    before its first draft, then after each draft in turn (1 + len(drafts)
+    mask rows each; the drafts are ones allowed_prefix passed). Each matcher
+    is left as it was: the kept tokens are accepted when the result is read."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(sum(1 + len(d) for _, d in rows), rows[0][0].vocab_size)
+    at = 0
+    for g, drafts in rows:
+        g.matcher.fill_next_token_bitmask(bitmask, at)
+        for token in drafts:
+            at += 1
+            assert g.matcher.accept_token(token), "a draft the grammar rejects"
+            g.matcher.fill_next_token_bitmask(bitmask, at)
+        at += 1
+        if drafts:
+            g.matcher.rollback(len(drafts))
+    return bitmask.numpy().tobytes()
+
 
 def fill_bitmask(grammars: list[ReqGrammar]) -> bytes:
     """The allowed-token bitmask of each grammar's next token, one row each

@@ -15,6 +15,7 @@ run in the same pass over the weights as the prefill.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -22,7 +23,7 @@ import torch
 
 from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardMode, PenaltyInit
 from scheduler_proc.cache_manager import CacheManager
-from scheduler_proc.grammar import fill_bitmask
+from scheduler_proc.grammar import fill_bitmask, fill_draft_bitmasks
 from scheduler_proc.req import Req
 from scheduler_proc.thinking_budget import allow_only
 
@@ -55,6 +56,8 @@ class ScheduleBatch:
     seq_lens: list[int] = field(default_factory=list)  # each row's kv_len after it (ForwardBatch.seq_lens)
     decode_from: int = 0  # rows from here on decode one token (all in decode, none in a plain extend)
     draft_lens: list[int] = field(default_factory=list)  # VERIFY: each row's drafts after its last token
+    # VERIFY: the grammar rows' tokens (flat indices) and their masks, one per token
+    draft_grammar: tuple[list[int], bytes] = ([], b"")
     input_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     out_cache_loc: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     # rows whose prefix the cache manager rewrote: the model's table follows
@@ -217,6 +220,12 @@ class ScheduleBatch:
         self.seq_lens = [r.kv_len for r in self.reqs]
         self.input_ids = torch.tensor([t for r, d in zip(self.reqs, drafts) for t in (r.output_ids[-1], *d)],
                                       dtype=torch.int64)
+        # a grammar row's every token is sampled under its own mask (the drafts passed its matcher)
+        starts = list(itertools.accumulate((1 + n for n in self.draft_lens), initial=0))
+        constrained = [i for i, r in enumerate(self.reqs) if r.grammar is not None and not r.finished]
+        self.draft_grammar = ([starts[i] + j for i in constrained for j in range(1 + self.draft_lens[i])],
+                              fill_draft_bitmasks([(self.reqs[i].grammar, drafts[i]) for i in constrained])
+                              if constrained else b"")
 
     def mix_with_running(self, running: "ScheduleBatch") -> None:
         """Append the running batch, prepared for its decode step, as extend
@@ -293,7 +302,11 @@ class ScheduleBatch:
 
     def to_forward_batch(self) -> ForwardBatch:
         seq_lens = self.seq_lens
-        grammar_rows = self.grammar_rows(seq_lens)
+        if self.forward_mode is ForwardMode.VERIFY:
+            grammar_rows, grammar_bitmask = self.draft_grammar
+        else:
+            grammar_rows = self.grammar_rows(seq_lens)
+            grammar_bitmask = self.constraint_bitmask(grammar_rows)
         decode_rows = len(self.reqs) - self.decode_from
         mixed = self.forward_mode is ForwardMode.EXTEND and decode_rows > 0
         return ForwardBatch(
@@ -320,7 +333,7 @@ class ScheduleBatch:
             token_ids_logprobs=[r.token_ids_logprob for r in self.reqs]
             if any(r.token_ids_logprob for r in self.reqs) else [],
             grammar_rows=grammar_rows,
-            grammar_bitmask=self.constraint_bitmask(grammar_rows),
+            grammar_bitmask=grammar_bitmask,
         )
 
 

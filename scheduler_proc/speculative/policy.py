@@ -112,10 +112,12 @@ class Speculator:
         self.server_rate = PRIOR_ACCEPT_RATE  # EMA over every verify: a new request's prior
 
     @staticmethod
-    def can_verify(reqs: list[Req], has_penalties: bool, has_grammar: bool) -> bool:
-        """Penalties, grammars and a thinking budget advance a token at a time
-        in state a verify cannot fork: such a batch decodes plainly."""
-        return not has_penalties and not has_grammar and all(r.thinking is None for r in reqs)
+    def can_verify(reqs: list[Req], has_penalties: bool) -> bool:
+        """Penalties and a thinking budget advance a token at a time in state
+        the model process (penalties) or the scheduler (a budget's forced
+        token) cannot fork per draft: such a batch decodes plainly. (A grammar
+        can: its masks are filled draft by draft, fill_draft_bitmasks.)"""
+        return not has_penalties and all(r.thinking is None for r in reqs)
 
     def state(self, req: Req) -> DraftState:
         if req.draft_state is None:
@@ -145,6 +147,8 @@ class Speculator:
                 found = self.state(r).lookup.propose(r.fill_ids, room)
                 if not found and self.suffixes is not None:
                     found = self.suffixes.propose(r.fill_ids, room)
+                if found and r.grammar is not None:  # cut where the grammar rejects a draft
+                    found = found[:r.grammar.allowed_prefix(found)]
             drafts.append(found)
         return self.choose(reqs, drafts)
 
