@@ -80,7 +80,8 @@ class OutputProcessor:
             if self.num_decode_steps % DECODE_LOG_INTERVAL == 0:
                 self.log_decode_stats(step.num_decode_rows, num_waiting)
         if self.speculator is not None and step.forward_mode in (ForwardMode.DECODE, ForwardMode.VERIFY):
-            self.speculator.observe_step(step.num_tokens, result.forward_time)
+            self.speculator.observe_step(step.forward_mode is ForwardMode.VERIFY, len(step.reqs), step.num_tokens,
+                                         result.forward_time)
         self.stream(step.reqs)
 
     def process_rows(self, step: LaunchedStep, result: ForwardResult) -> None:

@@ -100,7 +100,7 @@ def speculative_state(sched: SchedulerView) -> dict[str, Any]:
     if spec is None:
         return {"speculative_algorithm": ""}
     stats = spec.stats
-    fixed, per_token = spec.cost.line()
+    decode, verify = spec.decode_cost.line(), spec.verify_cost.line()
     return {
         "speculative_algorithm": sched.args.speculative_algorithm,
         "spec_verify_steps": stats.verify_steps,
@@ -109,5 +109,6 @@ def speculative_state(sched: SchedulerView) -> dict[str, Any]:
         "spec_accept_rate": stats.accept_rate,
         # tokens a speculating row kept per verify, over the last 256 rows
         "avg_spec_accept_length": sum(stats.accept_lens) / len(stats.accept_lens) if stats.accept_lens else 0.0,
-        "spec_step_cost_ms": [1000 * fixed, 1000 * per_token],  # fixed, per token
+        # the policy's cost lines: a decode step's ms (fixed, per row), a verify step's (fixed, per token)
+        "spec_step_cost_ms": {"decode": [1000 * x for x in decode], "verify": [1000 * x for x in verify]},
     }

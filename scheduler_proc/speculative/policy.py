@@ -1,17 +1,25 @@
 """When a decode step verifies drafts, and how many per row.
 
-A decode step on a CPU costs about a fixed part (the weights streamed once,
-the per-step overheads) plus a part per token. Verifying k drafts adds k
-tokens to a row's step; they pay when the tokens they are expected to add
-outweigh the time they add. Per step, the Speculator takes each row's
-drafts (ngram.py) and keeps the draft tokens in order of their expected
-gain, a row's j-th draft being kept with probability `accept_rate ** j`
-(the row's acceptance, an EMA of its verifies), while the step's expected
-tokens per second still rise. The step's cost line starts from the model
-process's start-up measurement (ModelInfo.step_cost) and follows the steps'
-measured forward times (StepCost). A large batch therefore stops
-speculating by itself: its fixed part is shared by many rows already, so
-drafts add cost without adding much rate.
+A step on a CPU costs about a fixed part (the weights streamed once, the
+per-step overheads) plus a part per token, and a verify step (several
+tokens per row, every one through the LM head, the quantized products' tile
+path) has a line of its own beside the decode step's. Per step the
+Speculator takes each row's drafts (ngram.py), ranks every draft token by
+its expected gain (a row's j-th draft is kept with probability rate ** j,
+the row's per-draft acceptance), and verifies the best m of them for the m
+that gives the most expected tokens per second, if that beats the plain
+decode step's rate. A large batch therefore stops speculating by itself:
+its fixed part is shared by many rows already, so drafts add time without
+adding much rate.
+
+Both cost lines start from the model process's start-up measurement
+(ModelInfo.step_cost) and follow the measured forward times of the steps of
+their kind (CostLine). Acceptance is counted as the geometric model has it
+(Acceptance): a verify that keeps a of k drafts saw a successes and, when
+a < k, one failure. A row's rate is its own counts plus a prior of the
+server-wide rate; a new server's prior is optimistic, so the first rows
+verify and teach it, and a row passed over fades back towards the prior,
+so its drafts are tried again later (its text may have turned to a quote).
 """
 
 from __future__ import annotations
@@ -22,47 +30,66 @@ from common.server_args import ServerArgs
 from scheduler_proc.req import Req
 from scheduler_proc.speculative.ngram import PromptLookup, SuffixTable
 
-EMA_WEIGHT = 0.3  # a verify's weight in a row's acceptance rate
-PRIOR_ACCEPT_RATE = 0.5  # a row's rate before its first verify (then the server-wide rate)
-# a row whose drafts were passed over moves this share of the way back to the
-# server-wide rate each step: its drafts may have become good since (a quote)
-RETRY_DRIFT = 0.05
+# a new server's per-draft acceptance before any verify: optimistic, so that
+# rows verify and measure it (a wrong guess costs a step's few drafts)
+PRIOR_ACCEPT_RATE = 0.8
+ROW_PRIOR_WEIGHT = 2.0  # drafts' worth of the server-wide rate in a row's rate
+ROW_DECAY = 0.8  # a row's counts fade per verify, and per step it is passed over
+SERVER_DECAY = 0.99  # the server-wide counts fade per verified row
 # the cost line when the model did not measure one (an in-process test model):
 # a 2-core CPU's small model, 20 ms a step plus 1 ms a token
 DEFAULT_STEP_COST = (0.02, 0.001)
 
 
-class StepCost:
-    """seconds(step) ~ fixed + per_token * tokens, a least-squares line over
-    the recent steps (exponentially weighted), anchored by a start-up prior
-    that counts as `prior_weight` steps at 1 and at `prior_span` tokens."""
+class CostLine:
+    """seconds(step) ~ fixed + per_token * tokens: a least-squares line over
+    the steps seen (exponentially faded), plus two prior points (1 and
+    `prior_span` tokens, `prior_weight` steps each) that never fade, so the
+    line stays put while the steps seen all have the same size."""
 
-    def __init__(self, fixed_s: float, per_token_s: float, decay: float = 0.98,
-                 prior_weight: float = 4.0, prior_span: int = 16) -> None:
+    def __init__(self, fixed_s: float, per_token_s: float, decay: float = 0.99,
+                 prior_weight: float = 1.0, prior_span: int = 16) -> None:
         self.decay = decay
-        self.sw = self.sn = self.snn = self.st = self.snt = 0.0
-        for n in (1, prior_span):
-            self._add(n, fixed_s + per_token_s * n, prior_weight)
-
-    def _add(self, tokens: int, seconds: float, weight: float) -> None:
-        self.sw += weight
-        self.sn += weight * tokens
-        self.snn += weight * tokens * tokens
-        self.st += weight * seconds
-        self.snt += weight * tokens * seconds
+        self.prior = [(n, fixed_s + per_token_s * n, prior_weight) for n in (1, prior_span)]
+        self.seen = [0.0] * 5  # faded sums of weight, n, n^2, t, n*t
 
     def observe(self, tokens: int, seconds: float) -> None:
-        for name in ("sw", "sn", "snn", "st", "snt"):
-            setattr(self, name, getattr(self, name) * self.decay)
-        self._add(tokens, seconds, 1.0)
+        self.seen = [x * self.decay for x in self.seen]
+        for k, v in enumerate((1.0, tokens, tokens * tokens, seconds, tokens * seconds)):
+            self.seen[k] += v
 
     def line(self) -> tuple[float, float]:
         """(fixed_s, per_token_s), each at least a microsecond."""
-        var = self.snn * self.sw - self.sn * self.sn
-        per_token = (self.snt * self.sw - self.sn * self.st) / var if var > 0 else 0.0
-        per_token = max(per_token, 1e-6)
-        fixed = max((self.st - per_token * self.sn) / self.sw, 1e-6)
-        return fixed, per_token
+        sw, sn, snn, st, snt = self.seen
+        for n, t, w in self.prior:
+            sw, sn, snn, st, snt = sw + w, sn + w * n, snn + w * n * n, st + w * t, snt + w * n * t
+        var = snn * sw - sn * sn
+        per_token = max((snt * sw - sn * st) / var if var > 0 else 0.0, 1e-6)
+        return max((st - per_token * sn) / sw, 1e-6), per_token
+
+    def seconds(self, tokens: int) -> float:
+        fixed, per_token = self.line()
+        return fixed + per_token * tokens
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """Faded counts of drafts kept (successes) out of drafts decided (trials)."""
+
+    successes: float = 0.0
+    trials: float = 0.0
+
+    def add(self, drafted: int, accepted: int, decay: float) -> None:
+        # the drafts after the first rejected one were never decided
+        self.successes = self.successes * decay + accepted
+        self.trials = self.trials * decay + accepted + (accepted < drafted)
+
+    def fade(self, decay: float) -> None:
+        self.successes *= decay
+        self.trials *= decay
+
+    def rate(self, prior: float, weight: float) -> float:
+        return (self.successes + prior * weight) / (self.trials + weight)
 
 
 @dataclass(slots=True)
@@ -70,18 +97,10 @@ class DraftState:
     """A request's speculation: its prompt-lookup index and its acceptance."""
 
     lookup: PromptLookup
-    accept_rate: float
+    acceptance: Acceptance = field(default_factory=Acceptance)
     verify_ct: int = 0  # verify steps it took part in with drafts (SGLang's spec_verify_ct)
     drafted: int = 0
     accepted: int = 0
-
-    def record(self, drafted: int, accepted: int) -> None:
-        self.verify_ct += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        # a rejected first draft says the rate is low; k accepted of k says high
-        rate = accepted / drafted
-        self.accept_rate += EMA_WEIGHT * (rate - self.accept_rate)
 
 
 @dataclass
@@ -107,9 +126,16 @@ class Speculator:
         self.context_len = context_len
         self.suffixes = SuffixTable(self.min_window, self.max_window, args.speculative_ngram_capacity) \
             if args.speculative_ngram_capacity else None
-        self.cost = StepCost(*(step_cost if step_cost[0] > 0 else DEFAULT_STEP_COST))
+        prior = step_cost if step_cost[0] > 0 else DEFAULT_STEP_COST
+        self.decode_cost = CostLine(*prior)  # by rows
+        self.verify_cost = CostLine(*prior)  # by tokens
         self.stats = SpecStats()
-        self.server_rate = PRIOR_ACCEPT_RATE  # EMA over every verify: a new request's prior
+        self.server = Acceptance()  # every verified row's counts: a new row's prior
+
+    def rate(self, req: Req) -> float:
+        """The row's per-draft acceptance: its counts over the server's."""
+        server = self.server.rate(PRIOR_ACCEPT_RATE, ROW_PRIOR_WEIGHT)
+        return self.state(req).acceptance.rate(server, ROW_PRIOR_WEIGHT)
 
     @staticmethod
     def can_verify(reqs: list[Req], has_penalties: bool) -> bool:
@@ -121,7 +147,7 @@ class Speculator:
 
     def state(self, req: Req) -> DraftState:
         if req.draft_state is None:
-            req.draft_state = DraftState(PromptLookup(self.min_window, self.max_window), self.server_rate)
+            req.draft_state = DraftState(PromptLookup(self.min_window, self.max_window))
         return req.draft_state
 
     def room(self, req: Req) -> int:
@@ -153,21 +179,22 @@ class Speculator:
         return self.choose(reqs, drafts)
 
     def keep(self, reqs: list[Req], found: list[int]) -> list[int]:
-        """How many of row i's found[i] drafts pay for their tokens: the j-th
-        draft of a row adds accept_rate ** j tokens on average and one token's
-        cost; drafts are kept best first while the step's expected tokens per
-        second rise."""
-        fixed, per_token = self.cost.line()
-        gains = sorted(((self.state(r).accept_rate ** (j + 1), i)
-                        for i, (r, n) in enumerate(zip(reqs, found)) for j in range(n)), reverse=True)
-        tokens = float(len(reqs))  # expected tokens out of the step
-        seconds = fixed + per_token * len(reqs)
-        keep = [0] * len(reqs)
-        for gain, i in gains:
-            if (tokens + gain) * seconds <= tokens * (seconds + per_token):
-                break
+        """How many of row i's found[i] drafts to verify: the draft tokens
+        ranked by expected gain, the best m of them for the m with the most
+        expected tokens per second; none if no m beats the decode step."""
+        rates = [self.rate(r) for r in reqs]
+        gains = sorted(((rate ** (j + 1), i) for i, (rate, n) in enumerate(zip(rates, found)) for j in range(n)),
+                       reverse=True)
+        rows = len(reqs)
+        best_m, best = 0, rows / self.decode_cost.seconds(rows)
+        tokens = float(rows)  # expected tokens out of the step
+        for m, (gain, _) in enumerate(gains, 1):
             tokens += gain
-            seconds += per_token
+            value = tokens / self.verify_cost.seconds(rows + m)
+            if value > best:
+                best_m, best = m, value
+        keep = [0] * rows
+        for _, i in gains[:best_m]:
             keep[i] += 1
         return keep
 
@@ -178,23 +205,29 @@ class Speculator:
             return drafts if any(drafts) else None
         keep = self.keep(reqs, [len(d) for d in drafts])
         for r, d, k in zip(reqs, drafts, keep):
-            if d and not k:  # passed over: drift back towards the server's rate, to be tried again
-                state = self.state(r)
-                state.accept_rate += RETRY_DRIFT * max(0.0, self.server_rate - state.accept_rate)
+            if d and not k:  # passed over: fade towards the server's rate, to be tried again
+                self.state(r).acceptance.fade(ROW_DECAY)
         if not any(keep):
             return None
         return [d[:k] for d, k in zip(drafts, keep)]
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """A decode or verify step's forward time, for the cost line."""
+    def observe_step(self, verify: bool, rows: int, tokens: int, seconds: float) -> None:
+        """A decode step's (by rows) or a verify step's (by tokens) forward time."""
         if seconds > 0:
-            self.cost.observe(tokens, seconds)
+            if verify:
+                self.verify_cost.observe(tokens, seconds)
+            else:
+                self.decode_cost.observe(rows, seconds)
 
     def record(self, req: Req, drafted: int, accepted: int) -> None:
         """A row's verify result: `accepted` of its `drafted` drafts kept."""
         if drafted:
-            self.state(req).record(drafted, accepted)
-            self.server_rate += 0.05 * (accepted / drafted - self.server_rate)
+            state = self.state(req)
+            state.verify_ct += 1
+            state.drafted += drafted
+            state.accepted += accepted
+            state.acceptance.add(drafted, accepted, ROW_DECAY)
+            self.server.add(drafted, accepted, SERVER_DECAY)
             self.stats.drafted += drafted
             self.stats.accepted += accepted
             self.stats.accept_lens.append(accepted + 1)

@@ -13,7 +13,7 @@ from common.messages import AbortReq, SamplingParams, TokenizedGenerateReq
 from common.server_args import ServerArgs
 from scheduler_proc.create import create_scheduler
 from scheduler_proc.kv_invariant import check_kv_invariant
-from scheduler_proc.speculative.policy import StepCost
+from scheduler_proc.speculative.policy import Acceptance, CostLine
 from tests.scheduler.fake_model import FakeModel, fake_model_info
 from tests.scheduler.test_scheduler import assert_no_leak
 from tokenizer_proc.finish_json import finish_json
@@ -112,33 +112,45 @@ def test_max_new_tokens_is_never_exceeded_and_drafts_stop_short_of_it():
             assert len(tokens) == reason["length"]
 
 
-def test_step_cost_line_follows_the_steps_it_sees():
-    cost = StepCost(0.010, 0.001)  # the start-up prior
+def test_cost_line_follows_the_steps_it_sees_and_keeps_its_prior_while_they_are_all_alike():
+    cost = CostLine(0.010, 0.001)  # the start-up prior
     assert cost.line() == pytest.approx((0.010, 0.001))
     for _ in range(300):  # the machine turned out slower per token
         for n in (1, 4, 12):
             cost.observe(n, 0.012 + 0.003 * n)
-    fixed, per_token = cost.line()
-    assert fixed == pytest.approx(0.012, rel=0.02) and per_token == pytest.approx(0.003, rel=0.02)
+    assert cost.line() == pytest.approx((0.012, 0.003), rel=0.05)
+    same = CostLine(0.010, 0.001)
+    for _ in range(300):  # every step 8 tokens: the data say nothing of the slope
+        same.observe(8, 0.030)
+    fixed, per_token = same.line()
+    assert per_token == pytest.approx(0.001, rel=0.2) and fixed + 8 * per_token == pytest.approx(0.030, rel=0.05)
+
+
+def test_acceptance_counts_a_verify_as_the_geometric_model_does():
+    a = Acceptance()
+    a.add(drafted=4, accepted=2, decay=1.0)  # two kept, the third rejected, the fourth never decided
+    a.add(drafted=3, accepted=3, decay=1.0)  # all kept: no failure seen
+    assert (a.successes, a.trials) == (5, 6)
+    assert a.rate(prior=0.5, weight=2.0) == pytest.approx(6 / 8)
 
 
 def test_the_policy_keeps_drafts_while_they_pay_and_none_in_a_large_batch():
-    from scheduler_proc.speculative.policy import Speculator
     from scheduler_proc.req import Req
+    from scheduler_proc.speculative.policy import Speculator
 
     def reqs(n: int, rate: float) -> list[Req]:
         out = []
         for i in range(n):
             r = Req(rid=f"r{i}", origin_input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=100),
                     stop_token_ids=frozenset(), output_ids=[4])
-            spec.state(r).accept_rate = rate
+            spec.state(r).acceptance = Acceptance(1000 * rate, 1000)  # a rate known for sure
             out.append(r)
         return out
 
     spec = Speculator(ServerArgs(model_path="fake", speculative_algorithm="NGRAM"), (0.020, 0.001), 4096)
     drafts = [[5, 6, 7, 8, 9, 10, 11]]
     # one row, drafts usually right: all kept; usually wrong: none
-    assert spec.choose(reqs(1, 0.9), drafts) == drafts
+    assert spec.choose(reqs(1, 0.95), drafts) == drafts
     assert spec.choose(reqs(1, 0.02), drafts) is None
     # at 64 rows the fixed cost is shared already: even good drafts do not pay
     assert spec.choose(reqs(64, 0.5), drafts * 64) is None
@@ -147,6 +159,15 @@ def test_the_policy_keeps_drafts_while_they_pay_and_none_in_a_large_batch():
     assert kept is not None and 0 < len(kept[0]) < 7
     # asked before waiting for the step in flight: a large batch keeps its overlap
     assert spec.may_pay(reqs(1, 0.5)) and not spec.may_pay(reqs(64, 0.5))
+    # a verify step slower than its line said (a tile path, say): fewer drafts pay
+    for _ in range(200):
+        spec.verify_cost.observe(8, 0.080)
+    assert spec.choose(reqs(1, 0.6), drafts) is None
+    # a fresh server's prior is optimistic: a new row's first drafts are verified
+    fresh = Speculator(ServerArgs(model_path="fake", speculative_algorithm="NGRAM"), (0.020, 0.001), 4096)
+    row = Req(rid="n", origin_input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=100),
+              stop_token_ids=frozenset(), output_ids=[4])
+    assert fresh.choose([row], drafts) is not None
 
 
 def test_tiny_model_greedy_and_seeded_outputs_equal_the_run_without_speculation(tiny_llama_dir):
@@ -164,7 +185,8 @@ def test_tiny_model_greedy_and_seeded_outputs_equal_the_run_without_speculation(
     def run(speculate: bool):
         engine = Engine(tiny_llama_dir, max_running_requests=4, max_total_tokens=600,
                         disable_overlap_schedule=not overlap,
-                        speculative_algorithm="NGRAM" if speculate else "")
+                        speculative_algorithm="NGRAM" if speculate else "",
+                        disable_speculative_adaptive=speculate)  # every draft: this test is of exactness
         sched = engine.sched
         plan = {0: [("g0", 0, 0.0), ("s0", 1, 1.0)], 2: [("g1", 2, 0.0)],
                 45: [("g0b", 0, 0.0), ("s0b", 1, 1.0)], 50: [("g1b", 2, 0.0)]}
