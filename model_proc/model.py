@@ -296,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         fused = self.native_decoder
         out = fused.forward(x, cos, sin, meta, num_tokens) if fused is not None and self.use_native_decoder \
-            and self.layers[0].self_attn.backend is fused.backend else None
+            and not every_token and self.layers[0].self_attn.backend is fused.backend else None
         if out is not None:
             x = out
         else:

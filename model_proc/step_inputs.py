@@ -85,6 +85,21 @@ class StepInputs:
         Triton backend builds them with its kernel and sets them)."""
         return gather_kv_indices(self.table, self.req_pool_indices, self.seq_lens, self.kv_indptr, self.total_kv)
 
+    def as_token_rows(self) -> StepInputs:
+        """Each new token as a decode row of its own: the token at position p
+        of table row r attends to r's slots 0..p. A verify step's few tokens
+        per row through a decode kernel (the ops store every new token's K/V
+        before any row attends, so a draft sees the tokens before it)."""
+        n = self.num_tokens
+        seq_lens = self.positions + 1
+        kv_indptr = torch.zeros(n + 1, dtype=torch.int64, device=seq_lens.device)
+        torch.cumsum(seq_lens, 0, out=kv_indptr[1:])
+        seq_lens_host = [p + j + 1 for p, s in zip(self.prefix_lens_host, self.seq_lens_host) for j in range(s - p)]
+        return StepInputs(
+            ForwardMode.DECODE, n, n, n, self.token_rows, seq_lens, self.positions, self.input_ids, self.positions,
+            self.token_rows, self.out_cache_loc, torch.arange(n + 1, device=seq_lens.device), kv_indptr, self.table,
+            seq_lens_host, [])
+
     def split(self, first: int) -> tuple[StepInputs | None, StepInputs]:
         """A MIXED step as its extend rows (0..first-1; None when there are
         none) and its decoding rows (first..), each with its own indptrs

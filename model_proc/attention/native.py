@@ -10,6 +10,7 @@ import torch
 
 from collections.abc import Sequence
 
+from common.messages import ForwardMode
 from model_proc.attention.base import AttentionBackend, AttentionMetadata, LayerAttention
 from model_proc.attention.torch_backend import TorchAttnBackend
 from model_proc.kv_cache import KVPool, ReqToTokenTable
@@ -101,6 +102,12 @@ class NativeAttnBackend(AttentionBackend):
         inputs.kv_indices  # gathered here, once per step, rather than by the first layer
         if inputs.is_decode:
             return NativeAttnMetadata(inputs, max_len=inputs.max_seq_len)
+        if inputs.mode is ForwardMode.VERIFY and not self.native_extend:
+            # a few tokens a row over a long prefix: decode rows, one per token,
+            # beat the torch extend path (bench/RESULTS.md, speculative decoding)
+            rows = inputs.as_token_rows()
+            rows.kv_indices  # gathered once here, as for a decode step
+            return NativeAttnMetadata(rows, max_len=rows.max_seq_len)
         if not inputs.mode.is_mixed():
             return self._extend_metadata(inputs)
         # a mixed step: its decoding rows take the decode kernel, not the

@@ -31,13 +31,14 @@ def test_accept_drafts_keeps_agreeing_drafts_and_the_sample_after_them():
     assert accept_drafts(inputs, [4, 1, 2], sampled) == [3, 1, 1]
 
 
+@pytest.mark.parametrize("backend", ["native", "torch"])  # native: each token a decode row (as_token_rows)
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "top_k": 20, "seed": 7}],
                          ids=["greedy", "seeded"])
-def test_verify_keeps_exactly_the_decode_steps_tokens(tiny_llama_dir, make_runner, sampling):
-    runner = make_runner(tiny_llama_dir)
+def test_verify_keeps_exactly_the_decode_steps_tokens(tiny_llama_dir, make_runner, sampling, backend):
+    runner = make_runner(tiny_llama_dir, attention_backend=backend)
     prompts = [PROMPT, [9, 8, 30, 31], list(range(20, 45))]
     ref = decode_run(runner, prompts, 14, **sampling)
-    driver = RunnerDriver(make_runner(tiny_llama_dir))
+    driver = RunnerDriver(make_runner(tiny_llama_dir, attention_backend=backend))
     rows = [driver.new_row() for _ in prompts]
     out = [[t] for t in driver.step(driver.extend(rows, prompts, **sampling))]
     # drafts: the reference's next tokens, one of them wrong for row 0 (at 2),
