@@ -45,8 +45,9 @@ def generate(srv: ServerProcess, body: dict) -> dict:
 def test_answers_equal_the_server_without_speculation(spec_server, shared_server, sampling):
     """shared_server: the same flags but the speculation (tests/conftest.py)."""
     lengths = []
-    for prompt in COPYING:
-        body = {"text": prompt, "sampling_params": {"max_new_tokens": 60, **sampling}}
+    # greedy: both prompts; seeded: one (its draws are checked token for token all the same)
+    for prompt in COPYING if sampling["temperature"] == 0 else COPYING[1:]:
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 48, **sampling}}
         ours, ref = generate(spec_server, body), generate(shared_server, body)
         assert ours["output_ids"] == ref["output_ids"]
         assert ours["text"] == ref["text"]
