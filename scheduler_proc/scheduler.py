@@ -217,7 +217,7 @@ class Scheduler:
         self.output.process(step, result, num_waiting=len(self.queue.waiting))
         self.timeline.step(kind=step.forward_mode.value, batch_size=len(step.reqs),
                            tokens=step.num_tokens, kv_usage=self.cache.token_usage(),
-                           step_time=step_time)
+                           step_time=step_time, accepted=sum(result.accept_lens) - len(result.accept_lens))
 
     def resolve_inflight(self) -> None:
         while self.inflight:

@@ -34,10 +34,13 @@ class Timeline:
                    "event": event, **fields})
 
     def step(self, *, kind: str, batch_size: int, tokens: int, kv_usage: float, step_time: float,
-             t: float | None = None) -> None:
-        self._add({"t": time.time() if t is None else t, "type": "step", "kind": kind,
-                   "batch_size": batch_size, "tokens": tokens, "kv_usage": kv_usage,
-                   "step_time": step_time})
+             t: float | None = None, accepted: int = 0) -> None:
+        """accepted: a verify step's draft tokens kept (speculative decoding)."""
+        event = {"t": time.time() if t is None else t, "type": "step", "kind": kind,
+                 "batch_size": batch_size, "tokens": tokens, "kv_usage": kv_usage, "step_time": step_time}
+        if kind == "verify":
+            event["accepted"] = accepted
+        self._add(event)
 
     def since(self, t: float = 0.0, after_seq: int = 0,
               limit: int = MAX_EVENTS_PER_CALL) -> tuple[list[dict[str, Any]], bool]:

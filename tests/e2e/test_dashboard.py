@@ -107,6 +107,15 @@ def test_dashboard_draws_one_bar_per_request_and_the_retracted_one_as_retracted(
                 return (performance.now() - t0) / 5;""")
             assert int(gantt.get_attribute("data-bars")) >= 500
             assert draw_ms < 50, f"a redraw of 500 rows took {draw_ms:.1f} ms"
+            # speculative decoding's verify steps: their accepted drafts get a panel of their own
+            driver.execute_script("""
+                for (let i = 0; i < 40; i++)
+                  apply({type: 'step', kind: 'verify', batch_size: 4, tokens: 20, accepted: i % 5,
+                         kv_usage: 0.5, step_time: 0.05, t: lastNow - 20 + i * 0.1});
+                dirty = true;""")
+            accepted = driver.find_element(By.ID, "accepted")
+            WebDriverWait(driver, 10).until(lambda d: accepted.get_attribute("data-steps") == "40")
+            assert accepted.get_attribute("data-accepted") == str(8 * (0 + 1 + 2 + 3 + 4))
             assert driver.save_screenshot(os.environ.get(SCREENSHOT_ENV) or str(tmp_path / "dashboard.png"))
         finally:
             driver.quit()

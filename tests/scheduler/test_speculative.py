@@ -83,6 +83,9 @@ def test_outputs_equal_the_run_without_speculation(load, overlap):
         stats = sched.speculator.stats
         # drafts were verified, some kept and some rejected (their KV given back)
         assert model.verify_steps > 0 and 0 < stats.accepted < stats.drafted, stats
+        # the timeline (the dashboard's) counts each verify step's kept drafts
+        steps = [e for e in sched.timeline.events if e["type"] == "step" and e["kind"] == "verify"]
+        assert len(steps) == model.verify_steps and sum(e["accepted"] for e in steps) == stats.accepted
         if load == "retracting":
             assert sched.decode.total_retractions > 0
 
