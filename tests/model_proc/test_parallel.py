@@ -1,6 +1,7 @@
 """Tensor parallelism in process: N gloo ranks (torch.multiprocessing spawn),
-each a ModelRunner over its shard of a tiny random model, give the logits and
-greedy tokens of the one-process runner; the head split is checked on its own."""
+each a ModelRunner over its shard of a tiny random model, give the logits,
+greedy tokens and a speculative verify's kept tokens of the one-process
+runner; the head split is checked on its own."""
 
 from __future__ import annotations
 
@@ -32,11 +33,17 @@ def runner_args(model: str, quantization: str = "") -> ServerArgs:
                       quantization=quantization)
 
 
-def logits_and_greedy(runner: ModelRunner) -> tuple[torch.Tensor, list[list[int]]]:
-    """Teacher-forced logits of one prompt (an extend, then decodes), then a
-    ragged greedy batch of every prompt."""
+def logits_and_greedy(runner: ModelRunner) -> tuple[torch.Tensor, list[list[int]], list[list[int]]]:
+    """Teacher-forced logits of one prompt (an extend, then decodes), a
+    ragged greedy batch of every prompt, and a speculative verify step (two
+    rows: drafts right then wrong, and all right) with its kept tokens."""
     logits = RunnerDriver(runner, seed=1).teacher_forced_logits(PROMPTS[0], [4, 99, 250, 7])
-    return logits, RunnerDriver(runner, seed=2).greedy(PROMPTS, NEW_TOKENS)
+    greedy = RunnerDriver(runner, seed=2).greedy(PROMPTS, NEW_TOKENS)
+    driver = RunnerDriver(runner, seed=3)
+    rows = [driver.new_row(), driver.new_row()]
+    first = driver.step(driver.extend(rows, PROMPTS[:2]))
+    drafts = [greedy[0][1:3] + [(greedy[0][3] + 1) % 512], greedy[1][1:5]]
+    return logits, greedy, driver.step_verify(driver.verify(rows, first, drafts))
 
 
 def weight_numel(runner: ModelRunner) -> int:
@@ -53,8 +60,8 @@ def _rank_main(rank: int, size: int, addr: str, models: dict[str, tuple[str, str
     try:
         for case, (model, quantization) in models.items():
             runner = ModelRunner(runner_args(model, quantization), tp)
-            logits, greedy = logits_and_greedy(runner)
-            torch.save({"logits": logits, "greedy": greedy, "params": weight_numel(runner),
+            logits, greedy, verified = logits_and_greedy(runner)
+            torch.save({"logits": logits, "greedy": greedy, "verified": verified, "params": weight_numel(runner),
                         "kv_shape": tuple(runner.kv_pool.k_buffer[0].shape)},
                        os.path.join(out_dir, f"{case}.{rank}.pt"))
             del runner
@@ -115,7 +122,8 @@ def test_tensor_parallel_logits_and_greedy_tokens_equal_one_process(case, tp_res
     size, overrides = CASES[case]
     model = make_tiny_llama(str(tmp_path / "model"), seed=3, **overrides)  # the same seed: the same weights
     single = ModelRunner(runner_args(model, QUANTIZATION.get(case, "")))
-    ref_logits, ref_greedy = logits_and_greedy(single)
+    ref_logits, ref_greedy, ref_verified = logits_and_greedy(single)
+    assert [len(k) for k in ref_verified] == [3, 5]  # two drafts kept and the sample after; all four and one
     ref_params = weight_numel(single)
     ranks = tp_results[case]
     assert len(ranks) == size
@@ -125,6 +133,7 @@ def test_tensor_parallel_logits_and_greedy_tokens_equal_one_process(case, tp_res
         diff = (res["logits"] - ref_logits).abs().max().item()
         assert diff <= 1e-5 * scale, f"rank {r}: logits differ by {diff} (scale {scale})"
         assert res["greedy"] == ref_greedy, f"rank {r}"
+        assert res["verified"] == ref_verified, f"rank {r}"
         # each rank holds its shard only: about 1/size of the weights (norms folded, vocab padded)
         assert res["params"] <= ref_params / size * 1.05, (r, res["params"], ref_params)
     heads = shard_heads(overrides.get("num_attention_heads", 4), overrides.get("num_key_value_heads", 2), 0, size)
