@@ -195,7 +195,8 @@ class ServerArgs:
     speculative_num_draft_tokens: int = 8  # tokens a speculating row runs in a verify: its last, then drafts
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
-    speculative_ngram_capacity: int = 1_000_000  # n-grams of recent outputs kept for drafting
+    # n-grams of recent outputs kept for drafting (~220 bytes each in Python: 262144 is ~58 MB)
+    speculative_ngram_capacity: int = 262_144
     # verify every draft found, whatever the step costs say (to measure the adaptive policy against)
     disable_speculative_adaptive: bool = False
     disable_radix_cache: bool = False  # no prefix cache: every request computes its whole prompt
@@ -550,7 +551,8 @@ class ServerArgs:
                             help="the longest suffix looked up (the longest match wins)")
         parser.add_argument("--speculative-ngram-capacity", type=int,
                             default=d["speculative_ngram_capacity"].default,
-                            help="n-grams of recent requests' outputs kept to draft from (0: none)")
+                            help="n-grams of recent requests' outputs kept to draft from, about 220 bytes "
+                                 "each (0: none)")
         parser.add_argument("--disable-speculative-adaptive", action="store_true",
                             help="verify every draft found, even where the measured step costs say it "
                                  "does not pay (to measure the adaptive policy against)")
