@@ -153,3 +153,32 @@ def test_the_compiled_grammar_cache_stays_under_its_byte_bound(make_backend):
     tiny = make_backend(grammar_cache_bytes=sizes[0] // 2)
     assert not isinstance(wait_for(tiny, tiny.compile(enum_schema(1000, "0"))), GrammarFailure)
     assert tiny.cached_bytes == 0 and not tiny.is_cached(enum_schema(1000, "0"))
+
+
+def test_drafts_are_cut_where_the_grammar_rejects_them_or_before_they_complete_it(make_backend,
+                                                                                   default_model_dir):
+    """Speculative decoding: allowed_prefix and fill_draft_bitmasks leave the
+    matcher where it was."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from scheduler_proc.grammar import ReqGrammar, fill_bitmask, fill_draft_bitmasks
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    backend = make_backend()
+    compiled = wait_for(backend, backend.compile(Grammar(GrammarKind.REGEX, r"ab(cd)+")))
+    g = ReqGrammar(compiled)
+    ids = [tok.convert_tokens_to_ids(t) for t in ("a", "b", "c", "d", "c")]
+    eos = 2
+    before = fill_bitmask([g])
+    assert g.allowed_prefix(ids[:2] + [tok.convert_tokens_to_ids("x")]) == 2  # "x" is rejected
+    assert g.allowed_prefix(ids[:4] + [eos]) == 4  # the stop token would complete it: left to sample
+    assert g.allowed_prefix(ids) == 5
+    assert fill_bitmask([g]) == before  # the matcher is where it was
+    masks = np.frombuffer(fill_draft_bitmasks([(g, ids[:3])]), dtype=np.int32).reshape(4, -1)
+    allowed = [{t for t in (*ids, eos) if masks[j, t // 32] >> (t % 32) & 1} for j in range(4)]
+    assert allowed == [{ids[0]}, {ids[1]}, {ids[2]}, {ids[3]}]  # one mask before each draft and after the last
+    assert fill_bitmask([g]) == before
+    for t in ids[:4]:
+        assert g.accept(t)
+    assert not g.terminated and g.accept(eos) and g.terminated
