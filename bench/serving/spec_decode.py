@@ -36,6 +36,13 @@ printed with the request and where the texts part. Each server's sources are
 hashed at its start (the checkout may be edited while the benchmark runs): a
 run whose servers ran different code says so under its table.
 
+--llama-server PATH (llama.cpp's llama-server binary): the single-stream case
+also on llama.cpp serving the same GGUF (`-t 2 -c 8192 -np 1`), without and
+with its own n-gram speculation (`--spec-type ngram-simple`, its defaults),
+each fresh, through the same client; a second table gives their tok/s, the
+ratio of its speculation to its own base, and how many of its answers its
+speculation left identical.
+
 Output: its record bench/results/latest/spec_decode.json and bench/RESULTS.md (rendered again);
 --no-write: stdout only
 """
@@ -60,7 +67,7 @@ from bench.lib import spec_workloads
 from bench.lib.backends import RequestConfig
 from bench.lib.datasets import DatasetRow, rows_from_lengths
 from bench.lib.run_record import LoadAverage, record_run
-from bench.lib.server_launcher import ROOT, LaunchedServer, unwind_on_sigterm
+from bench.lib.server_launcher import ROOT, LaunchedServer, free_port, unwind_on_sigterm
 from bench.serving import bench_serving
 
 BASE_FLAGS = ["--max-running-requests", "32"]
@@ -153,6 +160,41 @@ def serve_case(flags: list[str], log: str, case: Case, tokenizer: Any, speculati
     return ServerRun(res["output_throughput"], res["median_itl_ms"], res["median_tpot_ms"],
                      res["total_output_tokens"], res["failed"], errors[0] if errors else "", res["duration"],
                      digest, res["generated_texts"], spec_delta(before, after) if speculative and after else None)
+
+
+LLAMA_SERVERS = {"llama.cpp": [], "llama.cpp ngram-simple": ["--spec-type", "ngram-simple"]}
+
+
+def serve_case_llama(binary: str, extra: list[str], gguf: str, log: str, case: Case, tokenizer: Any) -> ServerRun:
+    """The case on a fresh llama-server (its n-gram speculation per `extra`)."""
+    port = free_port()
+    cmd = [binary, "-m", gguf, "--port", str(port), "-t", str(os.cpu_count() or 2), "-c", "8192", "-np", "1",
+           *extra]
+    with LaunchedServer(cmd, port, log) as srv:
+        cfg = RequestConfig(backend=case.backend, base_url=srv.url, model="default", ignore_eos=case.ignore_eos)
+        bench_serving.prepare(cfg, case.warm_row, tokenizer, warmup_requests=1, flush=False)
+        res = bench_serving.run_benchmark(cfg, case.rows, [0.0] * len(case.rows), tokenizer, case.concurrency,
+                                          warmup_requests=0, disable_tqdm=True)
+    errors = [e for e in res["errors"] if e]
+    return ServerRun(res["output_throughput"], res["median_itl_ms"], res["median_tpot_ms"],
+                     res["total_output_tokens"], res["failed"], errors[0] if errors else "", res["duration"], "",
+                     res["generated_texts"], None)
+
+
+def llama_table(llama: dict[str, ServerRun], ours: dict[str, ServerRun]) -> str:
+    """llama.cpp without and with its speculation, beside ours, on the single-stream case."""
+    lines = ["| server | tok/s | TPOT ms | speculation / its base | answers its speculation left identical |",
+             "|---|---|---|---|---|"]
+    for name, run, base in [("batchserve", ours["base"], None),
+                            ("batchserve --speculative-algorithm NGRAM", ours["spec"], ours["base"]),
+                            ("llama.cpp", llama["llama.cpp"], None),
+                            ("llama.cpp --spec-type ngram-simple", llama["llama.cpp ngram-simple"], llama["llama.cpp"])]:
+        ratio = same = "-"
+        if base is not None:
+            ratio = f"{run.output_throughput / base.output_throughput:.2f}x"
+            same = f"{sum(a == b for a, b in zip(run.texts, base.texts))}/{len(run.texts)}"
+        lines.append(f"| {name} | {run.output_throughput:.1f} | {run.median_tpot_ms:.1f} | {ratio} | {same} |")
+    return "\n".join(lines)
 
 
 def first_difference(a: str, b: str) -> int:
@@ -253,6 +295,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--server-flags", default="", help="more launch.py flags, for both servers")
     p.add_argument("--cases", nargs="+", default=list(TARGETS), choices=list(TARGETS), metavar="CASE",
                    help=f"of {', '.join(map(repr, TARGETS))}")
+    p.add_argument("--llama-server", default="", metavar="PATH",
+                   help="llama.cpp's llama-server: the single-stream case on it too, without and with its n-gram "
+                        "speculation")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-write", action="store_true", help="print only: no record, bench/RESULTS.md left alone")
     args = p.parse_args(argv)
@@ -275,6 +320,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logs = tempfile.mkdtemp(prefix="spec_decode-")
 
     rows, results, found = [], [], []
+    peers_table = ""  # --llama-server: llama.cpp beside ours on the single-stream case
     step_costs: dict[str, dict[str, list[float]]] = {}  # each spec server's cost line after its case
     digests: dict[str, dict[str, str]] = {}  # the server's sources at each server's start
     for case in cases:
@@ -316,10 +362,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("| " + " | ".join(rows[-1]) + " |", flush=True)
         for m in diff:
             print(f"MISMATCH {m}", flush=True)
+        if case.name == "single" and args.llama_server:
+            llama = {name: serve_case_llama(args.llama_server, extra, gguf, os.path.join(
+                logs, f"{name.replace(' ', '_')}-single.log"), case, tokenizer) for name, extra in LLAMA_SERVERS.items()}
+            peers_table = llama_table(llama, runs)
+            print(peers_table, flush=True)
+            results[-1]["llama.cpp"] = {name: {k: v for k, v in asdict(r).items() if k != "texts"}
+                                        for name, r in llama.items()}
 
     load_end = list(os.getloadavg())
     command = "python -m bench.serving.spec_decode " + shlex.join(sys.argv[1:] if argv is None else argv)
     text = report(command.rstrip(), rows, found, (load_start, load_end), args, spec_flags, step_costs, digests)
+    if peers_table:
+        text += (f"\nThe single-stream case on llama.cpp's llama-server ({args.llama_server}; the same GGUF, "
+                 f"`-t {os.cpu_count()} -c 8192 -np 1`), without and with its n-gram speculation (`--spec-type "
+                 f"ngram-simple`, its defaults), beside ours from the table above:\n\n{peers_table}\n")
     print(text)
     print(f"server logs: {logs}")
     data = {"cases": results, "mismatches": found}
