@@ -24,7 +24,8 @@ def run_load(seed: int, speculate: bool, aborts: bool = False, eos_one_in: int =
     KV accounts checked after every step. Returns (per rid: tokens, finish),
     the scheduler and the model."""
     rng = random.Random(seed)
-    args = ServerArgs(model_path="fake", max_running_requests=6, enable_mixed_chunk=False,
+    args.setdefault("enable_mixed_chunk", False)
+    args = ServerArgs(model_path="fake", max_running_requests=6,
                       speculative_algorithm="NGRAM" if speculate else "", **args)
     model = FakeModel(eos_one_in=eos_one_in, jitter_one_in=jitter)
     outputs: list = []
@@ -66,6 +67,7 @@ LOADS = {
     "retracting": {"max_total_tokens": 200, "schedule_conservativeness": 0.05},
     "chunked": {"chunked_prefill_size": 8},
     "paged": {"page_size": 16, "max_total_tokens": 1024},
+    "mixed": {"enable_mixed_chunk": True, "chunked_prefill_size": 16},  # running rows decode inside prefills
     "eos": {"eos": 7},
 }
 
@@ -88,6 +90,8 @@ def test_outputs_equal_the_run_without_speculation(load, overlap):
         assert len(steps) == model.verify_steps and sum(e["accepted"] for e in steps) == stats.accepted
         if load == "retracting":
             assert sched.decode.total_retractions > 0
+        if load == "mixed":
+            assert sched.decode.num_mixed_steps > 0
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
