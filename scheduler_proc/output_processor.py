@@ -76,7 +76,8 @@ class OutputProcessor:
             self.process_rows(step, result)
         if step.num_decode_rows:
             self.num_decode_steps += 1
-            self.decode_tokens_since_log += step.num_decode_rows
+            # a verify step's rows each keep one token or more
+            self.decode_tokens_since_log += sum(result.accept_lens) if result.accept_lens else step.num_decode_rows
             if self.num_decode_steps % DECODE_LOG_INTERVAL == 0:
                 self.log_decode_stats(step.num_decode_rows, num_waiting)
         if self.speculator is not None and step.forward_mode in (ForwardMode.DECODE, ForwardMode.VERIFY):
