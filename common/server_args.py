@@ -321,6 +321,9 @@ class ServerArgs:
         if self.speculative_algorithm:
             if self.batching != "continuous":
                 raise ValueError("--speculative-algorithm needs --batching continuous")
+            if self.deterministic:  # whether a token comes from a verify or a decode step depends on the load
+                raise ValueError("--speculative-algorithm and --deterministic do not go together: a token's bits "
+                                 "would depend on whether the step that made it verified drafts")
             if self.speculative_num_draft_tokens < 2:
                 raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token and a draft)")
             if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
