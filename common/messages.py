@@ -315,8 +315,9 @@ class ForwardBatch(msgspec.Struct, tag=True):
     row i runs its last sampled token and then its drafts; each new token is
     sampled as if it were the row's next (token j with sample step
     `sample_steps[i] + j`), so the rows' sampling lists apply to each of their
-    tokens (and `grammar_rows` index tokens, each with its own mask). No
-    penalties or prompt logprobs go with a VERIFY.
+    tokens (and `grammar_rows` index tokens, each with its own mask). A
+    penalized row of a VERIFY runs one token (no drafts); no penalty inits or
+    prompt logprobs go with one.
     `out_cache_loc` holds the KV slot of every new token, aligned with
     `input_ids`. `table_rows`/`table_lens`/`table_slots` rewrite rows of the
     model's `req_to_token` before the step: row `table_rows[i]` gets, for its

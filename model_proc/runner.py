@@ -191,8 +191,16 @@ class ModelRunner:
         logits, prompt_logits = all_logits[:n], all_logits[n:]
         if batch.penalty_inits:
             self.penalties.init_rows(batch)
+        # a verify's penalized rows run one token each (no drafts): a row's
+        # logits are its first token's (the penalties work on rows)
+        starts = inputs.qo_indptr[:-1] if verify and batch.penalty_rows else None
         if batch.penalty_rows:  # in place; logprobs below are of the penalized logits, as SGLang's
-            self.penalties.apply(logits, batch, inputs.penalty_rows, inputs.req_pool_indices)
+            if starts is None:
+                self.penalties.apply(logits, batch, inputs.penalty_rows, inputs.req_pool_indices)
+            else:
+                row_logits = logits[starts]
+                self.penalties.apply(row_logits, batch, inputs.penalty_rows, inputs.req_pool_indices)
+                logits[starts] = row_logits
         if batch.grammar_rows:  # after the penalties: a disallowed token stays at -inf
             apply_token_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
         assert inputs.sampling is not None
@@ -208,7 +216,8 @@ class ModelRunner:
         else:
             self.last_sampled[inputs.req_pool_indices] = next_ids
         if batch.penalty_rows:
-            self.penalties.update(batch, next_ids, inputs.penalty_rows, inputs.req_pool_indices)
+            self.penalties.update(batch, next_ids if starts is None else next_ids[starts], inputs.penalty_rows,
+                                  inputs.req_pool_indices)
         if not self.tp.is_first:  # only rank 0 answers the scheduler
             return result
         if batch.return_logprob:
@@ -322,9 +331,11 @@ class ModelRunner:
             raise ValueError("ForwardBatch: a mixed step needs 0 < decode_rows <= rows, each of one new token")
         if not mode.is_mixed() and b.decode_rows:
             raise ValueError("ForwardBatch: decode_rows outside a mixed step")
-        if mode is ForwardMode.VERIFY and (b.penalty_rows or b.penalty_inits or b.input_logprob_rows):
-            # penalty state advances one token at a time; a verify samples several at once
-            raise ValueError("ForwardBatch: a verify step carries no penalties or prompt logprobs")
+        if mode is ForwardMode.VERIFY and (b.penalty_inits or b.input_logprob_rows or any(
+                b.seq_lens[i] - b.prefix_lens[i] != 1 for i in b.penalty_rows if 0 <= i < bs)):
+            # penalty state advances one token at a time: a penalized row verifies no drafts
+            raise ValueError("ForwardBatch: a verify step carries no penalty inits, prompt logprobs, or "
+                             "drafts of a penalized row")
         if len(b.input_ids) != num_new or len(b.out_cache_loc) != num_new:
             raise ValueError(f"ForwardBatch: {num_new} new tokens but {len(b.input_ids)} input_ids, "
                              f"{len(b.out_cache_loc)} out_cache_loc")

@@ -138,12 +138,13 @@ class Speculator:
         return self.state(req).acceptance.rate(server, ROW_PRIOR_WEIGHT)
 
     @staticmethod
-    def can_verify(reqs: list[Req], has_penalties: bool) -> bool:
-        """Penalties and a thinking budget advance a token at a time in state
-        the model process (penalties) or the scheduler (a budget's forced
-        token) cannot fork per draft: such a batch decodes plainly. (A grammar
-        can: its masks are filled draft by draft, fill_draft_bitmasks.)"""
-        return not has_penalties and all(r.thinking is None for r in reqs)
+    def can_verify(reqs: list[Req]) -> bool:
+        """A thinking budget's forced token is decided a token at a time by the
+        scheduler: a batch with one decodes plainly. (A penalized row takes
+        part with no drafts, its penalty state advancing a token a step in
+        the model process; a grammar row's masks are filled draft by draft,
+        fill_draft_bitmasks.)"""
+        return all(r.thinking is None for r in reqs)
 
     def state(self, req: Req) -> DraftState:
         if req.draft_state is None:
@@ -160,14 +161,14 @@ class Speculator:
         find all it may take: asked before the step in flight is waited for
         (a verify needs its tokens), so a batch too large to gain keeps the
         overlap schedule."""
-        return not self.adaptive or any(self.keep(reqs, [max(0, self.room(r)) for r in reqs]))
+        return not self.adaptive or any(self.keep(reqs, [0 if r.penalized else max(0, self.room(r)) for r in reqs]))
 
     def propose(self, reqs: list[Req]) -> list[list[int]] | None:
         """Each row's drafts for this step (some may be empty), or None when
         no draft is expected to pay. Rows must have no token in flight."""
         drafts = []
         for r in reqs:
-            room = self.room(r)
+            room = 0 if r.penalized else self.room(r)  # a penalized row: one token a step
             found: list[int] = []
             if room > 0:
                 found = self.state(r).lookup.propose(r.fill_ids, room)

@@ -139,7 +139,6 @@ class FakeModel:
             self.penalty_history[rows[init.row]] = list(init.output_ids)
         penalized = set(batch.penalty_rows)
         verify = batch.forward_mode is ForwardMode.VERIFY
-        assert not (verify and penalized), "a verify with penalties"
         out, start = [], 0
         for pos, (row, p, n) in enumerate(zip(rows, prefixes, counts)):
             h = int(self.slot_hash[self.table[row, p - 1]]) if p else 0
@@ -149,13 +148,14 @@ class FakeModel:
                 self.slot_pos[slot], self.slot_prev[slot] = p + i, h
                 h = chain(h, token)
                 self.slot_hash[slot] = h
-                if verify:  # every token is sampled
+                if verify and pos not in penalized:  # every token is sampled
                     out.append(self.sample(h, token, p + i))
             start += n
-            if verify:
+            if verify and pos not in penalized:
                 continue
             last = input_ids[start - 1]
             if pos in penalized:
+                assert not verify or n == 1, "a penalized row with drafts"
                 history = self.penalty_history[row]
                 out.append(penalized_next_token(last, history))
                 history.append(out[-1])

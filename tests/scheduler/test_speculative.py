@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from common.messages import AbortReq, SamplingParams, TokenizedGenerateReq
+from common.messages import AbortReq, ForwardMode, SamplingParams, TokenizedGenerateReq
 from common.server_args import ServerArgs
 from scheduler_proc.create import create_scheduler
 from scheduler_proc.kv_invariant import check_kv_invariant
@@ -38,7 +38,9 @@ def run_load(seed: int, speculate: bool, aborts: bool = False, eos_one_in: int =
         unit = [rng.randrange(10, 1000) for _ in range(rng.randint(2, 6))]
         prompt = (unit * 8)[:rng.randint(4, 40)]
         stops = [rng.randrange(10, 1000) for _ in range(3)] if rng.random() < 0.3 else []
-        sp = SamplingParams(max_new_tokens=rng.randint(1, 60), temperature=0.0, stop_token_ids=stops)
+        # some rows penalized: they verify with no drafts of their own, beside rows that draft
+        sp = SamplingParams(max_new_tokens=rng.randint(1, 60), temperature=0.0, stop_token_ids=stops,
+                            frequency_penalty=0.5 if rng.random() < 0.25 else 0.0)
         arrivals.setdefault(rng.randrange(0, 30), []).append(
             TokenizedGenerateReq(rid=f"r{i}", input_ids=prompt, sampling_params=sp))
     abort_at = {rng.randrange(5, 40): f"r{i}" for i in rng.sample(range(16), 3)} if aborts else {}
@@ -110,7 +112,6 @@ def test_aborted_requests_end_with_a_prefix_of_their_output(overlap):
 
 def test_max_new_tokens_is_never_exceeded_and_drafts_stop_short_of_it():
     got, sched, model = run_load(2, speculate=True)
-    from common.messages import ForwardMode
     for batch in model.batches:
         if batch.forward_mode is ForwardMode.VERIFY:
             assert len(batch.input_ids) > len(batch.req_pool_indices)
@@ -195,12 +196,16 @@ def test_tiny_model_greedy_and_seeded_outputs_equal_the_run_without_speculation(
                         speculative_algorithm="NGRAM" if speculate else "",
                         disable_speculative_adaptive=speculate)  # every draft: this test is of exactness
         sched = engine.sched
+        engine.batches = []
+        forward = engine.runner.forward
+        engine.runner.forward = lambda b: (engine.batches.append(b), forward(b))[1]
+        # "pen": a penalized row, verified beside the others with no drafts of its own
         plan = {0: [("g0", 0, 0.0), ("s0", 1, 1.0)], 2: [("g1", 2, 0.0)],
-                45: [("g0b", 0, 0.0), ("s0b", 1, 1.0)], 50: [("g1b", 2, 0.0)]}
+                45: [("g0b", 0, 0.0), ("s0b", 1, 1.0), ("pen", 2, 0.0)], 50: [("g1b", 2, 0.0)]}
         for step in range(3000):
             for rid, p, temperature in plan.pop(step, []):
                 sp = SamplingParams(max_new_tokens=30, temperature=temperature, top_k=40, seed=11,
-                                    ignore_eos=True)
+                                    ignore_eos=True, frequency_penalty=0.8 if rid == "pen" else 0.0)
                 sched.process_input_requests([TokenizedGenerateReq(
                     rid=rid, input_ids=prompts[p], sampling_params=sp, return_logprob=True)])
                 engine.reqs[rid] = sched.queue.by_rid[rid]
@@ -211,6 +216,9 @@ def test_tiny_model_greedy_and_seeded_outputs_equal_the_run_without_speculation(
         return engine
 
     ref, got = run(False), run(True)
+    # the penalized row went through verify steps beside drafting rows
+    assert any(b.forward_mode is ForwardMode.VERIFY and b.penalty_rows and len(b.input_ids) > len(b.seq_lens)
+               for b in got.batches)
     stats = got.sched.speculator.stats
     assert stats.accepted >= 20, stats  # the repeats drafted from the first requests' outputs
     for rid, req in ref.reqs.items():
