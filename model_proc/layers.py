@@ -76,6 +76,15 @@ def native_layers_op(device: torch.device, dtype: torch.dtype | None = torch.bfl
     return op if op is not None and op.supported() else None
 
 
+def native_step_ops(device: torch.device):  # -> module or None
+    """The native layers module for the ops it runs on any CPU (rms_norm,
+    rope_, finish: bfloat16, float32 inside; the quantized layers' steps and
+    their DecoderStack), where it builds; None elsewhere or when switched off."""
+    if not use_native or device.type != "cpu":
+        return None
+    return native.load(name="layers")
+
+
 def pack_blocks(w: torch.Tensor, block: int) -> torch.Tensor:
     """[N, K] -> [ceil(N / block), K / 2, block, 2]: per block of `block`
     output rows, the VNNI layout brgemm reads (pairs of K side by side);
@@ -146,7 +155,11 @@ class Linear(HooklessModule):
     def prepare(self) -> None:
         """Pack the weight for the fastest kernel here; the plain copy is then dropped."""
         if self.kernel is MatmulKernel.QUANT:
-            return  # the blocks are the kernel's layout already
+            # the blocks are the kernel's layout already; bfloat16 steps take the
+            # native norm and epilogue (_quantized_forward), as the DecoderStack does
+            self.op = native_step_ops(self.weight.device)
+            self.packed_bias = None if self.bias is None else self.bias.detach().float().contiguous()
+            return
         w = self.weight.detach().contiguous()
         op = native_layers_op(w.device, w.dtype) if w.shape[1] % 2 == 0 else None
         if op is not None:
@@ -181,6 +194,9 @@ class Linear(HooklessModule):
             # the common case first: a decode step makes ~120 of these calls
             return self.op.linear(x, self.packed, self.out_features, self.gated, self.packed_bias, add,
                                   self.float_out, -1.0 if norm_eps is None else norm_eps)
+        if self.kernel is MatmulKernel.QUANT and self.op is not None and x.dtype == torch.bfloat16 \
+                and not self.float_out and not self.batch_invariant:
+            return self._quantized_forward(x, add, norm_eps)
         if norm_eps is not None:
             x = rms_norm(x, norm_eps)
         if self.batch_invariant:
@@ -213,6 +229,20 @@ class Linear(HooklessModule):
             y += add
         return y
 
+
+    def _quantized_forward(self, x: torch.Tensor, add: torch.Tensor | None,
+                           norm_eps: float | None) -> torch.Tensor:
+        """bfloat16 x on quantized blocks: the native norm, the product
+        (QuantWeight.matmul, float32) and the native epilogue (bias, SiLU(gate)
+        * up, the residual; float32 inside, rounded once): the ops and order
+        of layers.cpp's DecoderStack on quantized layers, so the same bits."""
+        assert self.quantized is not None
+        if norm_eps is not None:
+            x = self.op.rms_norm(x if x.stride(-1) == 1 else x.contiguous(), norm_eps)
+        y = self.quantized.matmul(x)
+        if add is not None and add.stride(-1) != 1:
+            add = add.contiguous()
+        return self.op.finish(y, self.out_features, self.gated, self.packed_bias, add)
 
     def _quantized_product(self, x: torch.Tensor) -> torch.Tensor:
         assert self.quantized is not None
@@ -352,17 +382,19 @@ def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     x.copy_(F.rms_norm(x, (x.shape[-1],), eps=eps).mul_(weight))
 
 
-def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, op: Any = None) -> None:
     """Rotary embedding in place, rotate-half layout.
 
     x [T, heads, D] (a view into the fused qkv output, q and k heads side by
     side, so both get one pass); cos/sin [T, 1, D/2]: the table's two halves
     are equal, so only one is kept. With x = (x1, x2):
     x1' = x1*cos - x2*sin, x2' = x2*cos + x1*sin. In bfloat16 on a CPU, the
-    native op (float32 inside, rounded once); else five torch ops.
+    native op (float32 inside, rounded once); else five torch ops. `op`:
+    the native module to take whatever the CPU (native_step_ops: quantized
+    layers rotate as their DecoderStack does).
     """
-    op = native_layers_op(x.device, x.dtype)
-    if op is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous():
+    op = op or native_layers_op(x.device, x.dtype)
+    if op is not None and x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous():
         op.rope_(x, cos, sin)
         return
     half = x.shape[-1] // 2

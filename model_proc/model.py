@@ -45,8 +45,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_proc.attention.base import AttentionBackend, AttentionMetadata
-from model_proc.layers import (HooklessModule, Linear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
-                               apply_rope_, fold_norm_weight, head_rms_norm_, move_packed_onto_huge_pages)
+from model_proc.layers import (HooklessModule, Linear, MatmulKernel, ParallelLMHead, RowParallelLinear,
+                               VocabParallelEmbedding, apply_rope_, fold_norm_weight, head_rms_norm_,
+                               move_packed_onto_huge_pages)
 from model_proc.model_config import SUPPORTED_MODEL_TYPES, Activation, ModelConfig  # noqa: F401 (re-exported)
 from model_proc.parallel import SINGLE, TensorParallel, shard_heads, shard_range
 from model_proc.quant import QuantizedWeights
@@ -179,7 +180,8 @@ class Attention(HooklessModule):
         qk = heads.narrow(1, 0, self.num_heads + self.num_kv_heads)
         if self.qk_norm is not None:  # before rotary, as transformers' Qwen3
             head_rms_norm_(qk, self.qk_norm, self.eps)
-        apply_rope_(qk, cos, sin)
+        # quantized layers rotate with their matmul's native module, whatever the CPU
+        apply_rope_(qk, cos, sin, self.qkv_proj.op if self.qkv_proj.kernel is MatmulKernel.QUANT else None)
         q, k, v = heads.split(self.head_counts, dim=1)
         o = self.backend.forward(q, k, v, self.layer_id, meta)
         return self.o_proj(o.reshape(n, self.q_size), add=x if self.adds_residual else None)
@@ -244,6 +246,11 @@ class FusedDecoder(Protocol):
     still use that backend."""
     backend: AttentionBackend
 
+    @property
+    def takes_verify(self) -> bool:
+        """Whether it runs a speculative verify step (every token's logits)."""
+        ...
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 tokens: int) -> torch.Tensor | None:
         """The layers' output, or None where the modules must run this step."""
@@ -296,7 +303,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         fused = self.native_decoder
         out = fused.forward(x, cos, sin, meta, num_tokens) if fused is not None and self.use_native_decoder \
-            and not every_token and self.layers[0].self_attn.backend is fused.backend else None
+            and (not every_token or fused.takes_verify) and self.layers[0].self_attn.backend is fused.backend \
+            else None
         if out is not None:
             x = out
         else:

@@ -425,19 +425,97 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, bool 
 // Rows in parallel only when there is enough work to pay for waking threads.
 inline int row_threads(int64_t rows, int64_t per_row) { return threads_for(rows * per_row / 65536 + 1); }
 
+// ---- portable rows (any CPU): what the quantized layers' steps use where the
+// AVX512 ones above are not built. Plain loops in a fixed order (8 partial
+// sums), float32 inside, rounded once; the compiler vectorizes them for the
+// machine. One build gives one set of bits: the modules' path and the stack
+// below call the same functions.
+
+inline void normalize_row_portable(const at::BFloat16* in, at::BFloat16* out, int64_t H, float eps) {
+  float part[8] = {};
+  int64_t j = 0;
+  for (; j + 8 <= H; j += 8)
+    for (int l = 0; l < 8; ++l) {
+      const float v = static_cast<float>(in[j + l]);
+      part[l] += v * v;
+    }
+  for (int l = 0; j < H; ++j, ++l) {
+    const float v = static_cast<float>(in[j]);
+    part[l] += v * v;
+  }
+  const float ss = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+  const float scale = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (j = 0; j < H; ++j) out[j] = at::BFloat16(static_cast<float>(in[j]) * scale);
+}
+
+// One token's heads [heads, 2 * half] in place: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin
+inline void rope_row_portable(at::BFloat16* x, const at::BFloat16* c, const at::BFloat16* s, int64_t heads,
+                              int64_t half) {
+  for (int64_t h = 0; h < heads; ++h) {
+    at::BFloat16* p = x + h * 2 * half;
+    for (int64_t j = 0; j < half; ++j) {
+      const float x1 = static_cast<float>(p[j]), x2 = static_cast<float>(p[half + j]);
+      const float cj = static_cast<float>(c[j]), sj = static_cast<float>(s[j]);
+      p[j] = at::BFloat16(x1 * cj - x2 * sj);
+      p[half + j] = at::BFloat16(x2 * cj + x1 * sj);
+    }
+  }
+}
+
+// A quantized product's epilogue (model_proc/quant/: its float32 output y
+// [M, R]) into bfloat16 [M, n_out]: + bias, then SiLU(gate) * up when gated
+// (gate the first n_out columns of y, up the next n_out), then + add (the
+// residual), in float32 and rounded once.
+at::Tensor finish(const at::Tensor& y, int64_t n_out, bool gated, const c10::optional<at::Tensor>& bias,
+                  const c10::optional<at::Tensor>& add) {
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.stride(1) == 1, "y must be [rows, R] float32");
+  const int64_t M = y.size(0), R = y.size(1), ldy = y.stride(0);
+  TORCH_CHECK(R == (gated ? 2 : 1) * n_out, "y has ", R, " columns for n_out ", n_out, gated ? " gated" : "");
+  if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == R,
+                        "bias must be float32 [", R, "]");
+  if (add) TORCH_CHECK(add->scalar_type() == at::kBFloat16 && add->dim() == 2 && add->size(0) == M &&
+                       add->size(1) == n_out && add->stride(1) == 1, "add must be [rows, n_out] bfloat16");
+  at::Tensor out = at::empty({M, n_out}, y.options().dtype(at::kBFloat16));
+  const float* yp = y.data_ptr<float>();
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  const auto* ap = add ? reinterpret_cast<const at::BFloat16*>(add->data_ptr()) : nullptr;
+  const int64_t lda = add ? add->stride(0) : 0;
+  auto* op = reinterpret_cast<at::BFloat16*>(out.data_ptr());
+#pragma omp parallel for num_threads(row_threads(M, R))
+  for (int64_t r = 0; r < M; ++r) {
+    const float* row = yp + r * ldy;
+    for (int64_t j = 0; j < n_out; ++j) {
+      float v = b ? row[j] + b[j] : row[j];
+      if (gated) {
+        const float u = b ? row[n_out + j] + b[n_out + j] : row[n_out + j];
+        v = v * u / (1.0f + std::exp(-v));
+      }
+      if (ap) v += static_cast<float>(ap[r * lda + j]);
+      op[r * n_out + j] = at::BFloat16(v);
+    }
+  }
+  return out;
+}
+
 // y = x / sqrt(mean(x^2) + eps), per row of x [rows, H] (the weight is folded
 // into the next matmul).
+// Any CPU: the AVX512 row above where built, else the portable one.
 at::Tensor rms_norm(const at::Tensor& x, double eps) {
-  TORCH_CHECK(supported(), "the native RMSNorm needs AVX512_BF16");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, "x must be [rows, H] bfloat16");
   const int64_t rows = x.size(0), H = x.size(1), ldx = x.stride(0);
   at::Tensor y = at::empty({rows, H}, x.options());
-#ifdef BS_LINEAR
   const auto* xp = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
   auto* yp = reinterpret_cast<at::BFloat16*>(y.data_ptr());
 #pragma omp parallel for num_threads(row_threads(rows, H))
-  for (int64_t r = 0; r < rows; ++r) normalize_row(xp + r * ldx, yp + r * H, H, static_cast<float>(eps));
+  for (int64_t r = 0; r < rows; ++r) {
+#ifdef BS_LINEAR
+    if (supported()) {
+      normalize_row(xp + r * ldx, yp + r * H, H, static_cast<float>(eps));
+      continue;
+    }
 #endif
+    normalize_row_portable(xp + r * ldx, yp + r * H, H, static_cast<float>(eps));
+  }
   return y;
 }
 
@@ -445,17 +523,24 @@ at::Tensor rms_norm(const at::Tensor& x, double eps) {
 // row stride: q and k heads inside the fused qkv output), cos/sin [T, 1, D/2]
 // (or [T, D/2]). With x = (x1, x2): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.
 void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(supported(), "the native rotary needs AVX512_BF16");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "x must be [T, heads, D] bfloat16 with contiguous heads");
   const int64_t T = x.size(0), heads = x.size(1), half = x.size(2) / 2, ldx = x.stride(0);
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == T * half,
                 "cos/sin must be [T, D/2] bfloat16, contiguous");
-#ifdef BS_LINEAR
   auto* xp = reinterpret_cast<at::BFloat16*>(x.data_ptr());
   const auto* cp = reinterpret_cast<const at::BFloat16*>(cos.data_ptr());
   const auto* sp = reinterpret_cast<const at::BFloat16*>(sin.data_ptr());
+#ifndef BS_LINEAR
+#pragma omp parallel for num_threads(row_threads(T, heads * half * 2))
+  for (int64_t t = 0; t < T; ++t) rope_row_portable(xp + t * ldx, cp + t * half, sp + t * half, heads, half);
+#else
+  if (!supported()) {
+#pragma omp parallel for num_threads(row_threads(T, heads * half * 2))
+    for (int64_t t = 0; t < T; ++t) rope_row_portable(xp + t * ldx, cp + t * half, sp + t * half, heads, half);
+    return;
+  }
 #pragma omp parallel for num_threads(row_threads(T, heads * half * 2))
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t j = 0; j < half; j += 16) {
@@ -550,6 +635,34 @@ Fn capsule_fn(const pybind11::capsule& c, const char* name) {
   return reinterpret_cast<Fn>(c.get_pointer());
 }
 
+// A quantized matmul (model_proc/quant/): y float32 [M, N] = x float32 [M, K]
+// @ dequantize(W).T for W's GGUF blocks uint8 [N, row_bytes] of a type:
+// quant.cpp's `gemv` or quant_dot.cpp's `matmul_q8`, by their addresses.
+using QuantMatmulFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t);
+
+// One quantized weight as QuantWeight holds it (model_proc/quant/weight.py):
+// row segments, each of one block type, an optional input scale (the norm
+// weight before it, which cannot be folded into blocks) and the float32
+// bias; its product is QuantWeight.matmul's, the same calls in the same order.
+struct QuantMat {
+  std::vector<std::pair<int64_t, at::Tensor>> segments;  // (GGUF type, blocks [rows, row_bytes])
+  int64_t rows = 0;
+  c10::optional<at::Tensor> input_scale, bias;  // float32 [K], [rows]
+
+  at::Tensor product(const at::Tensor& x, QuantMatmulFn fn) const {
+    at::Tensor xf = x.to(at::kFloat).contiguous();
+    if (input_scale) xf = xf * *input_scale;
+    if (segments.size() == 1) return fn(xf, segments[0].second, segments[0].first);
+    at::Tensor y = at::empty({x.size(0), rows}, xf.options());
+    int64_t at = 0;
+    for (const auto& [qtype, blocks] : segments) {
+      y.narrow(1, at, blocks.size(0)).copy_(fn(xf, blocks, qtype));
+      at += blocks.size(0);
+    }
+    return y;
+  }
+};
+
 class DecoderStack {
  public:
   DecoderStack(const pybind11::capsule& decode, const pybind11::capsule& extend, int64_t q_heads, int64_t kv_heads,
@@ -562,14 +675,26 @@ class DecoderStack {
   void add_layer(at::Tensor qkv, c10::optional<at::Tensor> qkv_bias, at::Tensor o, c10::optional<at::Tensor> o_bias,
                  at::Tensor gate_up, c10::optional<at::Tensor> gate_up_bias, at::Tensor down,
                  c10::optional<at::Tensor> down_bias, at::Tensor k_buf, at::Tensor v_buf) {
+    TORCH_CHECK(quant_layers_.empty(), "a stack holds packed or quantized layers, not both");
     layers_.push_back({std::move(qkv), std::move(qkv_bias), std::move(o), std::move(o_bias), std::move(gate_up),
                        std::move(gate_up_bias), std::move(down), std::move(down_bias), std::move(k_buf),
                        std::move(v_buf)});
   }
 
-  // x [tokens, hidden] -> the last layer's output; parts cover the tokens in order
+  // one decoder layer on quantized weights; gemv: quant.cpp's, q8: quant_dot.cpp's (or None)
+  void add_quant_layer(QuantMat qkv, QuantMat o, QuantMat gate_up, QuantMat down, at::Tensor k_buf, at::Tensor v_buf,
+                       const pybind11::capsule& gemv, const c10::optional<pybind11::capsule>& q8) {
+    TORCH_CHECK(layers_.empty(), "a stack holds packed or quantized layers, not both");
+    gemv_ = capsule_fn<QuantMatmulFn>(gemv, "batchserve.quant.gemv");
+    q8_ = q8 ? capsule_fn<QuantMatmulFn>(*q8, "batchserve.quant_dot.matmul_q8") : nullptr;
+    quant_layers_.push_back({std::move(qkv), std::move(o), std::move(gate_up), std::move(down), std::move(k_buf),
+                             std::move(v_buf)});
+  }
+
+  // x [tokens, hidden] -> the last layer's output; parts cover the tokens in order.
+  // q8: quantized layers' products on 8-bit activations (quant_dot.cpp), else the float gemv
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                     const std::vector<AttnPart>& parts) const {
+                     const std::vector<AttnPart>& parts, bool q8) const {
     const int64_t n = x.size(0), q_size = q_heads_ * head_dim_;
     int64_t covered = 0;
     for (const AttnPart& p : parts) {
@@ -577,23 +702,13 @@ class DecoderStack {
       covered += p.count;
     }
     TORCH_CHECK(covered == n, "attention parts cover ", covered, " tokens of ", n);
+    if (!quant_layers_.empty()) return forward_quant(std::move(x), cos, sin, parts, q8);
     const c10::optional<at::Tensor> none;
     for (const Layer& L : layers_) {
       const at::Tensor heads = linear(x, L.qkv, q_size + 2 * kv_heads_ * head_dim_, false, L.qkv_bias, none, false,
                                       eps_).view({n, q_heads_ + 2 * kv_heads_, head_dim_});
       rope_(heads.narrow(1, 0, q_heads_ + kv_heads_), cos, sin);
-      at::Tensor o = at::empty({n, q_heads_, head_dim_}, x.options());
-      for (const AttnPart& p : parts) {
-        const at::Tensor rows = heads.narrow(0, p.start, p.count);
-        const at::Tensor q = rows.narrow(1, 0, q_heads_), k = rows.narrow(1, q_heads_, kv_heads_),
-                         v = rows.narrow(1, q_heads_ + kv_heads_, kv_heads_);
-        at::Tensor out = o.narrow(0, p.start, p.count);
-        if (p.decode) {
-          decode_(out, q, L.k_buf, L.v_buf, p.kv_indptr, p.kv_indices, scale_, p.max_len, k, v, p.loc);
-        } else {
-          extend_(out, q, L.k_buf, L.v_buf, p.qo_indptr, p.kv_indptr, p.kv_indices, scale_, k, v, p.loc);
-        }
-      }
+      const at::Tensor o = attend(heads, L.k_buf, L.v_buf, parts);
       x = linear(o.view({n, q_size}), L.o, hidden_, false, L.o_bias, x, false, -1.0);
       x = linear(linear(x, L.gate_up, inter_, true, L.gate_up_bias, none, false, eps_), L.down, hidden_, false,
                  L.down_bias, x, false, -1.0);
@@ -601,7 +716,7 @@ class DecoderStack {
     return x;
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size() + quant_layers_.size()); }
 
  private:
   struct Layer {
@@ -615,11 +730,55 @@ class DecoderStack {
     c10::optional<at::Tensor> down_bias;
     at::Tensor k_buf, v_buf;
   };
+  struct QuantLayer {
+    QuantMat qkv, o, gate_up, down;
+    at::Tensor k_buf, v_buf;
+  };
+
+  // heads [n, q + 2 kv heads, D] (q and k rotated) -> attention's output [n, q heads, D], K/V stored
+  at::Tensor attend(const at::Tensor& heads, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                    const std::vector<AttnPart>& parts) const {
+    at::Tensor o = at::empty({heads.size(0), q_heads_, head_dim_}, heads.options());
+    for (const AttnPart& p : parts) {
+      const at::Tensor rows = heads.narrow(0, p.start, p.count);
+      const at::Tensor q = rows.narrow(1, 0, q_heads_), k = rows.narrow(1, q_heads_, kv_heads_),
+                       v = rows.narrow(1, q_heads_ + kv_heads_, kv_heads_);
+      at::Tensor out = o.narrow(0, p.start, p.count);
+      if (p.decode) {
+        decode_(out, q, k_buf, v_buf, p.kv_indptr, p.kv_indices, scale_, p.max_len, k, v, p.loc);
+      } else {
+        extend_(out, q, k_buf, v_buf, p.qo_indptr, p.kv_indptr, p.kv_indices, scale_, k, v, p.loc);
+      }
+    }
+    return o;
+  }
+
+  // The modules' path on quantized weights (layers.py Linear._quantized_forward): the
+  // norm (rms_norm), the product (QuantMat), its epilogue (finish), rotary (rope_)
+  at::Tensor forward_quant(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                           const std::vector<AttnPart>& parts, bool q8) const {
+    const int64_t n = x.size(0), q_size = q_heads_ * head_dim_;
+    const QuantMatmulFn fn = q8 && q8_ ? q8_ : gemv_;
+    const c10::optional<at::Tensor> none;
+    for (const QuantLayer& L : quant_layers_) {
+      const at::Tensor heads = finish(L.qkv.product(rms_norm(x, eps_), fn), L.qkv.rows, false, L.qkv.bias, none)
+                                   .view({n, q_heads_ + 2 * kv_heads_, head_dim_});
+      rope_(heads.narrow(1, 0, q_heads_ + kv_heads_), cos, sin);
+      const at::Tensor o = attend(heads, L.k_buf, L.v_buf, parts);
+      x = finish(L.o.product(o.view({n, q_size}), fn), hidden_, false, L.o.bias, x);
+      const at::Tensor h = finish(L.gate_up.product(rms_norm(x, eps_), fn), inter_, true, L.gate_up.bias, none);
+      x = finish(L.down.product(h, fn), hidden_, false, L.down.bias, x);
+    }
+    return x;
+  }
+
   DecodeFn decode_;
   AttentionFn extend_;
+  QuantMatmulFn gemv_ = nullptr, q8_ = nullptr;
   int64_t q_heads_, kv_heads_, head_dim_, hidden_, inter_;
   double eps_, scale_;
   std::vector<Layer> layers_;
+  std::vector<QuantLayer> quant_layers_;
 };
 
 }  // namespace
@@ -634,7 +793,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sin"));
   m.def("argmax_rows", &argmax_rows, "per row, the index of the largest value (the first; NaN largest)",
         py::arg("x"));
-  m.def("supported", &supported, "whether this build and CPU can run it (AMX or AVX512_BF16)");
+  m.def("supported", &supported,
+        "whether this build and CPU can run `linear` (AMX or AVX512_BF16); rms_norm, rope_ and finish run anywhere");
   m.attr("block_columns") = BN;
   py::class_<AttnPart>(m, "AttnPart", "a step's tokens [start, start + count) and their rows' attention metadata")
       .def(py::init([](bool decode, int64_t start, int64_t count, int64_t max_len,
@@ -646,6 +806,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("decode"), py::arg("start"), py::arg("count"), py::arg("max_len"), py::arg("qo_indptr"),
            py::arg("kv_indptr"), py::arg("kv_indices"), py::arg("loc"));
+  py::class_<QuantMat>(m, "QuantMat", "a quantized weight's segments, input scale and bias (see QuantMat)")
+      .def(py::init([](std::vector<std::pair<int64_t, at::Tensor>> segments, c10::optional<at::Tensor> input_scale,
+                       c10::optional<at::Tensor> bias) {
+             int64_t rows = 0;
+             for (const auto& [qtype, blocks] : segments) {
+               TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, "blocks must be uint8 [rows, bytes]");
+               rows += blocks.size(0);
+             }
+             TORCH_CHECK(!segments.empty(), "a quantized weight has at least one segment");
+             if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == rows, "bias: float32 [rows]");
+             if (input_scale) TORCH_CHECK(input_scale->scalar_type() == at::kFloat, "input_scale: float32 [K]");
+             return QuantMat{std::move(segments), rows, std::move(input_scale), std::move(bias)};
+           }),
+           py::arg("segments"), py::arg("input_scale"), py::arg("bias"));
+  m.def("finish", &finish, "a quantized product's epilogue: float32 y -> bfloat16 (bias, SiLU(gate) * up, + add)",
+        py::arg("y"), py::arg("n_out"), py::arg("gated"), py::arg("bias"), py::arg("add"),
+        py::call_guard<py::gil_scoped_release>());
   py::class_<DecoderStack>(m, "DecoderStack", "a step's decoder layers in one call (see layers.cpp)")
       .def(py::init<const py::capsule&, const py::capsule&, int64_t, int64_t, int64_t, int64_t, int64_t, double,
                     double>(),
@@ -654,8 +831,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecoderStack::add_layer, py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"),
            py::arg("o_bias"), py::arg("gate_up"), py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"),
            py::arg("k_buf"), py::arg("v_buf"))
+      .def("add_quant_layer", &DecoderStack::add_quant_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
+           py::arg("down"), py::arg("k_buf"), py::arg("v_buf"), py::arg("gemv_fn"), py::arg("q8_fn"))
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("parts"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("q8") = false, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &DecoderStack::num_layers);
   m.def("set_amx", [](bool on) { amx_enabled = on; },
         "whether the AMX loop takes 17-64 rows where it can run (the default), or brgemm every call");

@@ -594,6 +594,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x @ dequantize(W).T, float32 [M, N], from x float32 [M, K] (contiguous) and W's GGUF blocks "
         "uint8 [N, row_bytes]; for few rows (decode)",
         py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::call_guard<py::gil_scoped_release>());
+  // for layers.cpp's DecoderStack, which calls it without Python between
+  m.attr("gemv_fn") = py::capsule(reinterpret_cast<void*>(&gemv), "batchserve.quant.gemv");
   m.def("block_shape",
         [](int64_t qtype) {
           return dispatch(qtype, [](auto t) { return std::make_pair(decltype(t)::kQK, decltype(t)::kBytes); });

@@ -651,6 +651,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul_q8", &matmul_q8,
         "gemv_q8(*quantize_rows(x), blocks, qtype, K): y float32 [M, N] from x float32 [M, K] (contiguous)",
         py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::call_guard<py::gil_scoped_release>());
+  // for layers.cpp's DecoderStack, which calls it without Python between
+  m.attr("matmul_q8_fn") = py::capsule(reinterpret_cast<void*>(&matmul_q8), "batchserve.quant_dot.matmul_q8");
   m.def("supports", [](int64_t qtype) {
           switch (qtype) {
             case Q4_0::kType: case Q4_1::kType: case Q8_0::kType: case Q4_K::kType: case Q6_K::kType: return true;

@@ -130,7 +130,7 @@ class QuantWeight:
         """(x * input_scale) @ W.T in float32: x [M, K] -> [M, N] (x rounded to
         8-bit blocks first up to Q8_MAX_ROWS rows, see use_q8_activations)."""
         x = x.float() if self.input_scale is None else x.float() * self.input_scale
-        if use_q8_activations and x.shape[0] <= Q8_MAX_ROWS and self._q8_ready():
+        if use_q8_activations and x.shape[0] <= Q8_MAX_ROWS and self.q8_ready():
             if len(self.segments) == 1:  # quantized and multiplied in one native call
                 s = self.segments[0]
                 return int8_act.quant_matmul_q8(x, s.blocks, s.qtype, self.in_features)
@@ -146,7 +146,7 @@ class QuantWeight:
             at += s.rows
         return out
 
-    def _q8_ready(self) -> bool:
+    def q8_ready(self) -> bool:
         return all(int8_act.available(s.qtype) for s in self.segments)
 
     def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
