@@ -76,10 +76,15 @@ def native_layers_op(device: torch.device, dtype: torch.dtype | None = torch.bfl
     return op if op is not None and op.supported() else None
 
 
+# the activation dtypes of native_step_ops' ops
+STEP_OPS_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def native_step_ops(device: torch.device):  # -> module or None
     """The native layers module for the ops it runs on any CPU (rms_norm,
-    rope_, finish: bfloat16, float32 inside; the quantized layers' steps and
-    their DecoderStack), where it builds; None elsewhere or when switched off."""
+    rope_, finish: bfloat16 or float32, float32 inside; the quantized layers'
+    steps and their DecoderStack), where it builds; None elsewhere or when
+    switched off."""
     if not use_native or device.type != "cpu":
         return None
     return native.load(name="layers")
@@ -155,7 +160,7 @@ class Linear(HooklessModule):
     def prepare(self) -> None:
         """Pack the weight for the fastest kernel here; the plain copy is then dropped."""
         if self.kernel is MatmulKernel.QUANT:
-            # the blocks are the kernel's layout already; bfloat16 steps take the
+            # the blocks are the kernel's layout already; its steps take the
             # native norm and epilogue (_quantized_forward), as the DecoderStack does
             self.op = native_step_ops(self.weight.device)
             self.packed_bias = None if self.bias is None else self.bias.detach().float().contiguous()
@@ -194,7 +199,7 @@ class Linear(HooklessModule):
             # the common case first: a decode step makes ~120 of these calls
             return self.op.linear(x, self.packed, self.out_features, self.gated, self.packed_bias, add,
                                   self.float_out, -1.0 if norm_eps is None else norm_eps)
-        if self.kernel is MatmulKernel.QUANT and self.op is not None and x.dtype == torch.bfloat16 \
+        if self.kernel is MatmulKernel.QUANT and self.op is not None and x.dtype in STEP_OPS_DTYPES \
                 and not self.float_out and not self.batch_invariant:
             return self._quantized_forward(x, add, norm_eps)
         if norm_eps is not None:
@@ -232,7 +237,7 @@ class Linear(HooklessModule):
 
     def _quantized_forward(self, x: torch.Tensor, add: torch.Tensor | None,
                            norm_eps: float | None) -> torch.Tensor:
-        """bfloat16 x on quantized blocks: the native norm, the product
+        """x (bfloat16 or float32) on quantized blocks: the native norm, the product
         (QuantWeight.matmul, float32) and the native epilogue (bias, SiLU(gate)
         * up, the residual; float32 inside, rounded once): the ops and order
         of layers.cpp's DecoderStack on quantized layers, so the same bits."""
@@ -242,7 +247,7 @@ class Linear(HooklessModule):
         y = self.quantized.matmul(x)
         if add is not None and add.stride(-1) != 1:
             add = add.contiguous()
-        return self.op.finish(y, self.out_features, self.gated, self.packed_bias, add)
+        return self.op.finish(y, self.out_features, self.gated, self.packed_bias, add, x.dtype)
 
     def _quantized_product(self, x: torch.Tensor) -> torch.Tensor:
         assert self.quantized is not None
@@ -394,7 +399,7 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, op: Any =
     layers rotate as their DecoderStack does).
     """
     op = op or native_layers_op(x.device, x.dtype)
-    if op is not None and x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous():
+    if op is not None and x.dtype in STEP_OPS_DTYPES and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous():
         op.rope_(x, cos, sin)
         return
     half = x.shape[-1] // 2

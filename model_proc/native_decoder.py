@@ -14,7 +14,7 @@ import torch
 from model_proc.attention.base import AttentionMetadata
 from model_proc.attention.native import MixedAttnMetadata, NativeAttnBackend, NativeAttnMetadata
 from model_proc import native
-from model_proc.layers import Linear, MatmulKernel, native_layers_op, native_step_ops
+from model_proc.layers import STEP_OPS_DTYPES, Linear, MatmulKernel, native_layers_op, native_step_ops
 from model_proc.quant import weight as quant_weight
 from model_proc.quant.matmul import GEMV_MAX_ROWS
 from model_proc.model_config import Activation
@@ -53,7 +53,7 @@ class NativeDecoder:
         q8 = False
         if self.quantized:
             q8 = quant_weight.use_q8_activations and self.q8_ready
-            if x.dtype != torch.bfloat16 or tokens > (quant_weight.Q8_MAX_ROWS if q8 else GEMV_MAX_ROWS):
+            if x.dtype not in STEP_OPS_DTYPES or tokens > (quant_weight.Q8_MAX_ROWS if q8 else GEMV_MAX_ROWS):
                 return None
         parts = self.parts(meta, tokens)
         return None if parts is None else self.stack.forward(x, cos, sin, parts, q8)
@@ -87,7 +87,7 @@ def build_native_decoder(model: LlamaForCausalLM) -> NativeDecoder | None:
     made only of the ops it has: Llama's (not Qwen3's or Gemma's q/k norms,
     not Gemma's extra norms and GELU, no sliding window). Its matmuls: all
     bfloat16 on the native kernel (AMX or AVX512_BF16), or all on quantized
-    blocks (GGUF types; any CPU, bfloat16 activations)."""
+    blocks (GGUF types; any CPU, bfloat16 or float32 activations)."""
     backend = model.layers[0].self_attn.backend
     layer_linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
     cfg = model.cfg

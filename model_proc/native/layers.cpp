@@ -46,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -426,12 +427,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, bool 
 inline int row_threads(int64_t rows, int64_t per_row) { return threads_for(rows * per_row / 65536 + 1); }
 
 // ---- portable rows (any CPU): what the quantized layers' steps use where the
-// AVX512 ones above are not built. Plain loops in a fixed order (8 partial
-// sums), float32 inside, rounded once; the compiler vectorizes them for the
-// machine. One build gives one set of bits: the modules' path and the stack
-// below call the same functions.
+// AVX512 ones above are not built, in bfloat16 or float32 (E). Plain loops in
+// a fixed order (8 partial sums), float32 inside, rounded once; the compiler
+// vectorizes them for the machine. One build gives one set of bits: the
+// modules' path and the stack below call the same functions.
 
-inline void normalize_row_portable(const at::BFloat16* in, at::BFloat16* out, int64_t H, float eps) {
+template <typename E>
+inline void normalize_row_portable(const E* in, E* out, int64_t H, float eps) {
   float part[8] = {};
   int64_t j = 0;
   for (; j + 8 <= H; j += 8)
@@ -445,116 +447,136 @@ inline void normalize_row_portable(const at::BFloat16* in, at::BFloat16* out, in
   }
   const float ss = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
   const float scale = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
-  for (j = 0; j < H; ++j) out[j] = at::BFloat16(static_cast<float>(in[j]) * scale);
+  for (j = 0; j < H; ++j) out[j] = static_cast<E>(static_cast<float>(in[j]) * scale);
 }
 
 // One token's heads [heads, 2 * half] in place: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin
-inline void rope_row_portable(at::BFloat16* x, const at::BFloat16* c, const at::BFloat16* s, int64_t heads,
-                              int64_t half) {
+template <typename E>
+inline void rope_row_portable(E* x, const E* c, const E* s, int64_t heads, int64_t half) {
   for (int64_t h = 0; h < heads; ++h) {
-    at::BFloat16* p = x + h * 2 * half;
+    E* p = x + h * 2 * half;
     for (int64_t j = 0; j < half; ++j) {
       const float x1 = static_cast<float>(p[j]), x2 = static_cast<float>(p[half + j]);
       const float cj = static_cast<float>(c[j]), sj = static_cast<float>(s[j]);
-      p[j] = at::BFloat16(x1 * cj - x2 * sj);
-      p[half + j] = at::BFloat16(x2 * cj + x1 * sj);
+      p[j] = static_cast<E>(x1 * cj - x2 * sj);
+      p[half + j] = static_cast<E>(x2 * cj + x1 * sj);
     }
   }
 }
 
+template <typename F>
+void with_activation_type(at::ScalarType t, const F& f) {
+  if (t == at::kBFloat16) return f(at::BFloat16());
+  TORCH_CHECK(t == at::kFloat, "activations must be bfloat16 or float32, got ", t);
+  f(0.0f);
+}
+
 // A quantized product's epilogue (model_proc/quant/: its float32 output y
-// [M, R]) into bfloat16 [M, n_out]: + bias, then SiLU(gate) * up when gated
-// (gate the first n_out columns of y, up the next n_out), then + add (the
-// residual), in float32 and rounded once.
+// [M, R]) into `dtype` (bfloat16 or float32) [M, n_out]: + bias, then
+// SiLU(gate) * up when gated (gate the first n_out columns of y, up the next
+// n_out), then + add (the residual, in `dtype`), in float32, rounded once.
 at::Tensor finish(const at::Tensor& y, int64_t n_out, bool gated, const c10::optional<at::Tensor>& bias,
-                  const c10::optional<at::Tensor>& add) {
+                  const c10::optional<at::Tensor>& add, at::ScalarType dtype) {
   TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.stride(1) == 1, "y must be [rows, R] float32");
   const int64_t M = y.size(0), R = y.size(1), ldy = y.stride(0);
   TORCH_CHECK(R == (gated ? 2 : 1) * n_out, "y has ", R, " columns for n_out ", n_out, gated ? " gated" : "");
   if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == R,
                         "bias must be float32 [", R, "]");
-  if (add) TORCH_CHECK(add->scalar_type() == at::kBFloat16 && add->dim() == 2 && add->size(0) == M &&
-                       add->size(1) == n_out && add->stride(1) == 1, "add must be [rows, n_out] bfloat16");
-  at::Tensor out = at::empty({M, n_out}, y.options().dtype(at::kBFloat16));
-  const float* yp = y.data_ptr<float>();
-  const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  const auto* ap = add ? reinterpret_cast<const at::BFloat16*>(add->data_ptr()) : nullptr;
-  const int64_t lda = add ? add->stride(0) : 0;
-  auto* op = reinterpret_cast<at::BFloat16*>(out.data_ptr());
+  if (add) TORCH_CHECK(add->scalar_type() == dtype && add->dim() == 2 && add->size(0) == M &&
+                       add->size(1) == n_out && add->stride(1) == 1, "add must be [rows, n_out] of the output dtype");
+  at::Tensor out = at::empty({M, n_out}, y.options().dtype(dtype));
+  with_activation_type(dtype, [&](auto e) {
+    using E = decltype(e);
+    const float* yp = y.data_ptr<float>();
+    const float* b = bias ? bias->data_ptr<float>() : nullptr;
+    const E* ap = add ? reinterpret_cast<const E*>(add->data_ptr()) : nullptr;
+    const int64_t lda = add ? add->stride(0) : 0;
+    E* op = reinterpret_cast<E*>(out.data_ptr());
 #pragma omp parallel for num_threads(row_threads(M, R))
-  for (int64_t r = 0; r < M; ++r) {
-    const float* row = yp + r * ldy;
-    for (int64_t j = 0; j < n_out; ++j) {
-      float v = b ? row[j] + b[j] : row[j];
-      if (gated) {
-        const float u = b ? row[n_out + j] + b[n_out + j] : row[n_out + j];
-        v = v * u / (1.0f + std::exp(-v));
+    for (int64_t r = 0; r < M; ++r) {
+      const float* row = yp + r * ldy;
+      for (int64_t j = 0; j < n_out; ++j) {
+        float v = b ? row[j] + b[j] : row[j];
+        if (gated) {
+          const float u = b ? row[n_out + j] + b[n_out + j] : row[n_out + j];
+          v = v * u / (1.0f + std::exp(-v));
+        }
+        if (ap) v += static_cast<float>(ap[r * lda + j]);
+        op[r * n_out + j] = static_cast<E>(v);
       }
-      if (ap) v += static_cast<float>(ap[r * lda + j]);
-      op[r * n_out + j] = at::BFloat16(v);
     }
-  }
+  });
   return out;
 }
 
 // y = x / sqrt(mean(x^2) + eps), per row of x [rows, H] (the weight is folded
-// into the next matmul).
-// Any CPU: the AVX512 row above where built, else the portable one.
+// into the next matmul). Any CPU: bfloat16 on the AVX512 row above where
+// built; else, and for float32, the portable one.
 at::Tensor rms_norm(const at::Tensor& x, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, "x must be [rows, H] bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, H] with contiguous rows");
   const int64_t rows = x.size(0), H = x.size(1), ldx = x.stride(0);
   at::Tensor y = at::empty({rows, H}, x.options());
-  const auto* xp = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
-  auto* yp = reinterpret_cast<at::BFloat16*>(y.data_ptr());
+  with_activation_type(x.scalar_type(), [&](auto e) {
+    using E = decltype(e);
+    const E* xp = reinterpret_cast<const E*>(x.data_ptr());
+    E* yp = reinterpret_cast<E*>(y.data_ptr());
 #pragma omp parallel for num_threads(row_threads(rows, H))
-  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
 #ifdef BS_LINEAR
-    if (supported()) {
-      normalize_row(xp + r * ldx, yp + r * H, H, static_cast<float>(eps));
-      continue;
-    }
+      if constexpr (std::is_same_v<E, at::BFloat16>) {
+        if (supported()) {
+          normalize_row(xp + r * ldx, yp + r * H, H, static_cast<float>(eps));
+          continue;
+        }
+      }
 #endif
-    normalize_row_portable(xp + r * ldx, yp + r * H, H, static_cast<float>(eps));
-  }
+      normalize_row_portable(xp + r * ldx, yp + r * H, H, static_cast<float>(eps));
+    }
+  });
   return y;
 }
 
 // Rotary in place, rotate-half layout: x [T, heads, D] (heads contiguous, any
 // row stride: q and k heads inside the fused qkv output), cos/sin [T, 1, D/2]
-// (or [T, D/2]). With x = (x1, x2): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.
+// (or [T, D/2]), all bfloat16 or all float32. With x = (x1, x2):
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.
 void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
-              "x must be [T, heads, D] bfloat16 with contiguous heads");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "x must be [T, heads, D] with contiguous heads");
   const int64_t T = x.size(0), heads = x.size(1), half = x.size(2) / 2, ldx = x.stride(0);
   for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == T * half,
-                "cos/sin must be [T, D/2] bfloat16, contiguous");
-  auto* xp = reinterpret_cast<at::BFloat16*>(x.data_ptr());
-  const auto* cp = reinterpret_cast<const at::BFloat16*>(cos.data_ptr());
-  const auto* sp = reinterpret_cast<const at::BFloat16*>(sin.data_ptr());
-#ifndef BS_LINEAR
-#pragma omp parallel for num_threads(row_threads(T, heads * half * 2))
-  for (int64_t t = 0; t < T; ++t) rope_row_portable(xp + t * ldx, cp + t * half, sp + t * half, heads, half);
-#else
-  if (!supported()) {
-#pragma omp parallel for num_threads(row_threads(T, heads * half * 2))
-    for (int64_t t = 0; t < T; ++t) rope_row_portable(xp + t * ldx, cp + t * half, sp + t * half, heads, half);
-    return;
-  }
-#pragma omp parallel for num_threads(row_threads(T, heads * half * 2))
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t j = 0; j < half; j += 16) {
-      const __mmask16 m = tail_mask(half - j);
-      const __m512 c = load_bf16(cp + t * half + j, m), s = load_bf16(sp + t * half + j, m);
-      for (int64_t h = 0; h < heads; ++h) {
-        at::BFloat16* p = xp + t * ldx + h * 2 * half;
-        const __m512 x1 = load_bf16(p + j, m), x2 = load_bf16(p + half + j, m);
-        store_bf16(p + j, _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, s)), m);
-        store_bf16(p + half + j, _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, s)), m);
+    TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->is_contiguous() && t->numel() == T * half,
+                "cos/sin must be [T, D/2] of x's dtype, contiguous");
+  const int threads = row_threads(T, heads * half * 2);
+#ifdef BS_LINEAR
+  if (x.scalar_type() == at::kBFloat16 && supported()) {
+    auto* xp = reinterpret_cast<at::BFloat16*>(x.data_ptr());
+    const auto* cp = reinterpret_cast<const at::BFloat16*>(cos.data_ptr());
+    const auto* sp = reinterpret_cast<const at::BFloat16*>(sin.data_ptr());
+#pragma omp parallel for num_threads(threads)
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t j = 0; j < half; j += 16) {
+        const __mmask16 m = tail_mask(half - j);
+        const __m512 c = load_bf16(cp + t * half + j, m), s = load_bf16(sp + t * half + j, m);
+        for (int64_t h = 0; h < heads; ++h) {
+          at::BFloat16* p = xp + t * ldx + h * 2 * half;
+          const __m512 x1 = load_bf16(p + j, m), x2 = load_bf16(p + half + j, m);
+          store_bf16(p + j, _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, s)), m);
+          store_bf16(p + half + j, _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, s)), m);
+        }
       }
     }
+    return;
   }
 #endif
+  with_activation_type(x.scalar_type(), [&](auto e) {
+    using E = decltype(e);
+    E* xp = reinterpret_cast<E*>(x.data_ptr());
+    const E* cp = reinterpret_cast<const E*>(cos.data_ptr());
+    const E* sp = reinterpret_cast<const E*>(sin.data_ptr());
+#pragma omp parallel for num_threads(threads)
+    for (int64_t t = 0; t < T; ++t) rope_row_portable(xp + t * ldx, cp + t * half, sp + t * half, heads, half);
+  });
 }
 
 // Per row of x [rows, V] float32 (logits): the index of its largest value,
@@ -759,15 +781,16 @@ class DecoderStack {
                            const std::vector<AttnPart>& parts, bool q8) const {
     const int64_t n = x.size(0), q_size = q_heads_ * head_dim_;
     const QuantMatmulFn fn = q8 && q8_ ? q8_ : gemv_;
+    const at::ScalarType dt = x.scalar_type();
     const c10::optional<at::Tensor> none;
     for (const QuantLayer& L : quant_layers_) {
-      const at::Tensor heads = finish(L.qkv.product(rms_norm(x, eps_), fn), L.qkv.rows, false, L.qkv.bias, none)
+      const at::Tensor heads = finish(L.qkv.product(rms_norm(x, eps_), fn), L.qkv.rows, false, L.qkv.bias, none, dt)
                                    .view({n, q_heads_ + 2 * kv_heads_, head_dim_});
       rope_(heads.narrow(1, 0, q_heads_ + kv_heads_), cos, sin);
       const at::Tensor o = attend(heads, L.k_buf, L.v_buf, parts);
-      x = finish(L.o.product(o.view({n, q_size}), fn), hidden_, false, L.o.bias, x);
-      const at::Tensor h = finish(L.gate_up.product(rms_norm(x, eps_), fn), inter_, true, L.gate_up.bias, none);
-      x = finish(L.down.product(h, fn), hidden_, false, L.down.bias, x);
+      x = finish(L.o.product(o.view({n, q_size}), fn), hidden_, false, L.o.bias, x, dt);
+      const at::Tensor h = finish(L.gate_up.product(rms_norm(x, eps_), fn), inter_, true, L.gate_up.bias, none, dt);
+      x = finish(L.down.product(h, fn), hidden_, false, L.down.bias, x, dt);
     }
     return x;
   }
@@ -820,8 +843,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return QuantMat{std::move(segments), rows, std::move(input_scale), std::move(bias)};
            }),
            py::arg("segments"), py::arg("input_scale"), py::arg("bias"));
-  m.def("finish", &finish, "a quantized product's epilogue: float32 y -> bfloat16 (bias, SiLU(gate) * up, + add)",
-        py::arg("y"), py::arg("n_out"), py::arg("gated"), py::arg("bias"), py::arg("add"),
+  m.def("finish", &finish,
+        "a quantized product's epilogue: float32 y -> dtype (bfloat16 or float32): + bias, SiLU(gate) * up, + add",
+        py::arg("y"), py::arg("n_out"), py::arg("gated"), py::arg("bias"), py::arg("add"), py::arg("dtype"),
         py::call_guard<py::gil_scoped_release>());
   py::class_<DecoderStack>(m, "DecoderStack", "a step's decoder layers in one call (see layers.cpp)")
       .def(py::init<const py::capsule&, const py::capsule&, int64_t, int64_t, int64_t, int64_t, int64_t, double,
