@@ -122,8 +122,9 @@ class ServerArgs:
     # int8 / int4 / w8a8_int8 round a Hugging Face folder's layer weights into Q8_0 / Q4_1 / Q8_0
     # blocks at load (w8a8_int8 with 8-bit activations)
     quantization: str = ""
-    # products with a .gguf's blocks round x to 8-bit blocks first (llama.cpp's way; faster
-    # decode), where their type has an integer kernel (model_proc/quant/int8_act.py)
+    # products with quantized blocks round x to 8-bit blocks first (llama.cpp's way; faster
+    # decode and verify), where their type has an integer kernel (model_proc/quant/int8_act.py);
+    # every product of such a weight, prefill too. Off by default: docs/architecture.md
     quantize_activations: bool = False
     # the KV cache's storage: "auto" (--dtype's) or "int8" (a scale per token and head;
     # model_proc/kv_cache.py), SGLang's flag
@@ -424,10 +425,12 @@ class ServerArgs:
                                  "rounded to int8 with a float32 scale each (half of bfloat16's bytes; "
                                  "the CPU's native and torch attention backends)")
         parser.add_argument("--quantize-activations", action="store_true",
-                            help="with a .gguf's blocks: round the activations to 8-bit blocks and dot them "
-                                 "with the weights in integers, as llama.cpp does (Q4_0, Q4_1, Q8_0, Q4_K, "
-                                 "Q6_K): a faster decode, but a token's logprob from a prefill (score, prompt "
-                                 "logprobs) and from a decode step may then differ by the rounding")
+                            help="with quantized weights (a .gguf's blocks, int8, int4): round the "
+                                 "activations to 8-bit blocks of 32 (a float scale each) and dot them with "
+                                 "the weights in integers, as llama.cpp does (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; "
+                                 "prefill products take the same rounded activations): faster decode and "
+                                 "verify steps, but a token's logprob from a prefill (score, prompt logprobs) "
+                                 "and from a decode step may then differ by more than float rounding")
         parser.add_argument("--device", default=d["device"].default)
         parser.add_argument("--attention-backend", default="", choices=["torch", "native", "triton"],
                             help="default: triton on a CUDA device; on a CPU native, the C++/OpenMP op over "

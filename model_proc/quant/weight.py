@@ -25,16 +25,17 @@ from model_proc.quant.matmul import dequantize, quant_matmul
 # dotted with it in integers (int8_act.py, as llama.cpp and vLLM's GGUF
 # kernels do): one thread, Q4_0, 1.2-1.6x the float gemv's speed at one row
 # (576 x 576 to 49152 x 2048), 1.6-1.7x at 16 rows, 1.1-1.3x the dequantized
-# tiles at 32 (python -m bench.micro.quant_bench --paths gemv tiles q8);
-# Q8_0 ties the gemv at one row. Above, and for a type without such a kernel
-# (Q5_0, Q5_1, Q5_K), the float32 product.
+# tiles at 32 (python -m bench.micro.quant_bench --paths gemv tiles q8).
+# Above, the dequantized tiles' float32 product with x rounded the same way
+# (q * d, the values the integer kernel multiplies), so a prefill's products
+# and a decode step's take the same arithmetic (llama.cpp's way). A type
+# without such a kernel (Q5_0, Q5_1, Q5_K) keeps float x in every product.
 Q8_MAX_ROWS = 32
-# Off by default: only decode-sized products take it, so a token's logprob
-# would differ between a prefill (the score API, prompt logprobs) and a
-# decode step by the rounding (~1e-2), where the APIs promise equal values
-# (tests/e2e: score vs generate, lm-eval vs a direct computation). Turning it
-# on for good needs prefill on the same kernel, measured. Tests and
-# benchmarks switch it on.
+# Off by default (ServerArgs.quantize_activations; the model process sets it
+# from ServerArgs.int8_activations; tests and benchmarks switch it): the
+# rounding turns last-bit differences between two attention paths into whole
+# steps near a rounding boundary, so a prefill's and a decode step's logprobs
+# may differ by far more than float rounding (docs/architecture.md).
 use_q8_activations = False
 
 
@@ -128,14 +129,18 @@ class QuantWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """(x * input_scale) @ W.T in float32: x [M, K] -> [M, N] (x rounded to
-        8-bit blocks first up to Q8_MAX_ROWS rows, see use_q8_activations)."""
+        8-bit blocks first where use_q8_activations and every segment has an
+        integer kernel: see Q8_MAX_ROWS)."""
         x = x.float() if self.input_scale is None else x.float() * self.input_scale
-        if use_q8_activations and x.shape[0] <= Q8_MAX_ROWS and self.q8_ready():
-            if len(self.segments) == 1:  # quantized and multiplied in one native call
+        if use_q8_activations and self.q8_ready():
+            if x.shape[0] > Q8_MAX_ROWS:  # the tiles below, on the x the integer kernel would take
+                x = int8_act.quantize_rows(x).dequantize()
+            elif len(self.segments) == 1:  # quantized and multiplied in one native call
                 s = self.segments[0]
                 return int8_act.quant_matmul_q8(x, s.blocks, s.qtype, self.in_features)
-            rows = int8_act.quantize_rows(x)  # once, for every segment
-            return torch.cat([int8_act.matmul_q8(rows, s.blocks, s.qtype) for s in self.segments], 1)
+            else:
+                rows = int8_act.quantize_rows(x)  # once, for every segment
+                return torch.cat([int8_act.matmul_q8(rows, s.blocks, s.qtype) for s in self.segments], 1)
         if len(self.segments) == 1:
             s = self.segments[0]
             return quant_matmul(x, s.blocks, s.qtype, self.in_features)

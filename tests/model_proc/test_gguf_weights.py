@@ -81,6 +81,27 @@ def test_slices_and_stacks_of_blocks_are_the_slices_and_stacks_of_their_floats(m
         a.columns(16, 64)
 
 
+def test_a_prefill_sized_product_takes_the_rounded_x_a_decode_sized_one_takes(monkeypatch):
+    """Above Q8_MAX_ROWS (the dequantized tiles) x is rounded to 8-bit blocks
+    as the integer kernel rounds it: each row's product equals that row alone
+    (the integer kernel) up to float32 summation order: a prefill's products
+    and a decode step's take the same arithmetic; switched off, float x."""
+    g = torch.Generator().manual_seed(3)
+    w = _blocks_of(torch.randn(64, 256, generator=g), "Q4_1")
+    x = torch.randn(weight.Q8_MAX_ROWS + 8, 256, generator=g)
+    monkeypatch.setattr(weight, "use_q8_activations", True)
+    many = w.matmul(x)
+    alone = torch.cat([w.matmul(x[i:i + 1]) for i in range(x.shape[0])])
+    rounded = int8_act.quantize_rows(x).dequantize().double() @ w.dequantize().double().T
+    tol = 1e-5 * rounded.abs().max().item()
+    assert (many.double() - rounded).abs().max().item() <= tol
+    assert (alone.double() - rounded).abs().max().item() <= tol
+    monkeypatch.setattr(weight, "use_q8_activations", False)
+    exact = x.double() @ w.dequantize().double().T
+    assert (w.matmul(x).double() - exact).abs().max().item() <= tol
+    assert (many.double() - exact).abs().max().item() > 100 * tol  # not a test of nothing
+
+
 def test_the_default_model_on_its_blocks_gives_the_logits_of_its_dequantized_weights(monkeypatch):
     """The default model (Q4_1 matmuls, Q8_0 embedding and tied head) served
     on its blocks and dequantized at load (`--quantization none`): the same
