@@ -191,7 +191,7 @@ class Speculator:
         tokens = float(rows)  # expected tokens out of the step
         for m, (gain, _) in enumerate(gains, 1):
             tokens += gain
-            value = tokens / self.verify_cost.seconds(rows + m)
+            value = tokens / self.verify_seconds(rows + m)
             if value > best:
                 best_m, best = m, value
         keep = [0] * rows
@@ -211,6 +211,18 @@ class Speculator:
         if not any(keep):
             return None
         return [d[:k] for d, k in zip(drafts, keep)]
+
+    def verify_seconds(self, tokens: int) -> float:
+        """A verify step of `tokens` tokens: its line, but never less than a
+        decode step of as many rows, which does no more work (the same
+        matmuls on as many rows, attention over no more KV). The verify line
+        learns only from verify steps, which a large batch rarely takes, while
+        its start-up prior comes from probes of up to 16 tokens: on quantized
+        weights those run the native decoder, and extrapolated to 32 tokens
+        it priced a verify below the decode step the server measured (32 rows:
+        107 against 140 ms), so every 32-row step waited for its predecessor
+        to look for drafts, and the overlap was lost."""
+        return max(self.verify_cost.seconds(tokens), self.decode_cost.seconds(tokens))
 
     def observe_step(self, verify: bool, rows: int, tokens: int, seconds: float) -> None:
         """A decode step's (by rows) or a verify step's (by tokens) forward time."""

@@ -171,6 +171,15 @@ def test_the_policy_keeps_drafts_while_they_pay_and_none_in_a_large_batch():
     for _ in range(200):
         spec.verify_cost.observe(8, 0.080)
     assert spec.choose(reqs(1, 0.6), drafts) is None
+    # a verify line cheaper than the decode steps seen (its prior from short probes, extrapolated):
+    # a verify of n tokens is priced at least as a decode step of n rows, so a large batch keeps its overlap
+    cheap = Speculator(ServerArgs(model_path="fake", speculative_algorithm="NGRAM"), (0.004, 0.003), 4096)
+    for _ in range(300):
+        for n in (24, 32):
+            cheap.decode_cost.observe(n, 0.002 + 0.0043 * n)
+    assert cheap.verify_cost.seconds(32) < cheap.decode_cost.seconds(32)
+    assert cheap.verify_seconds(32) == cheap.decode_cost.seconds(32)
+    assert not cheap.may_pay(reqs(32, 0.8))
     # a fresh server's prior is optimistic: a new row's first drafts are verified
     fresh = Speculator(ServerArgs(model_path="fake", speculative_algorithm="NGRAM"), (0.020, 0.001), 4096)
     row = Req(rid="n", origin_input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=100),
