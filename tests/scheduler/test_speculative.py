@@ -187,12 +187,15 @@ def test_the_policy_keeps_drafts_while_they_pay_and_none_in_a_large_batch():
     assert fresh.choose([row], drafts) is not None
 
 
-def test_tiny_model_greedy_and_seeded_outputs_equal_the_run_without_speculation(tiny_llama_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_tiny_model_greedy_and_seeded_outputs_equal_the_run_without_speculation(tiny_llama_dir, kv_cache_dtype):
     """The real model (tiny, random weights) in process, overlap schedule on
     (the fake-model loads above cover the plain loop). A repeated request
     drafts from the first one's output (the table of recent outputs), so most
     drafts are right; the rest are checked as well. Seeded sampled rows draw
-    each token with (seed, step), so they too must match token for token."""
+    each token with (seed, step), so they too must match token for token.
+    With an int8 KV cache too: a verify stores and reads its tokens' K/V as
+    decode steps do (rows rounded per token and head)."""
     overlap = True
     from tests.scheduler.test_engine_matches_transformers import Engine
 
@@ -201,10 +204,11 @@ def test_tiny_model_greedy_and_seeded_outputs_equal_the_run_without_speculation(
 
     def run(speculate: bool):
         engine = Engine(tiny_llama_dir, max_running_requests=4, max_total_tokens=600,
-                        disable_overlap_schedule=not overlap,
+                        disable_overlap_schedule=not overlap, kv_cache_dtype=kv_cache_dtype,
                         speculative_algorithm="NGRAM" if speculate else "",
                         disable_speculative_adaptive=speculate)  # every draft: this test is of exactness
         sched = engine.sched
+        assert engine.runner.kv_pool.int8 == (kv_cache_dtype == "int8")
         engine.batches = []
         forward = engine.runner.forward
         engine.runner.forward = lambda b: (engine.batches.append(b), forward(b))[1]
