@@ -94,8 +94,7 @@ class DecodeManager:
         batch = self.running_batch
         assert batch is not None
         spec = self.speculator
-        if spec is not None and spec.can_verify(batch.reqs) \
-                and spec.may_pay(batch.reqs):
+        if spec is not None and spec.may_pay(batch.reqs):
             if step_in_flight:  # drafts follow the last token, and a verify's result sets kv_len
                 return NEEDS_RESULTS
             drafts = spec.propose(batch.reqs)

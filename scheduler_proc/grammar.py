@@ -364,25 +364,19 @@ class ReqGrammar:
         return n
 
 
-def fill_draft_bitmasks(rows: list[tuple[ReqGrammar, list[int]]]) -> bytes:
-    """A verify step's masks for its grammar rows: per row, the allowed tokens
-    before its first draft, then after each draft in turn (1 + len(drafts)
-    mask rows each; the drafts are ones allowed_prefix passed). Each matcher
-    is left as it was: the kept tokens are accepted when the result is read."""
-    import xgrammar as xgr
-
-    bitmask = xgr.allocate_token_bitmask(sum(1 + len(d) for _, d in rows), rows[0][0].vocab_size)
-    at = 0
-    for g, drafts in rows:
-        g.matcher.fill_next_token_bitmask(bitmask, at)
-        for token in drafts:
-            at += 1
-            assert g.matcher.accept_token(token), "a draft the grammar rejects"
-            g.matcher.fill_next_token_bitmask(bitmask, at)
+def fill_draft_bitmask(bitmask, at: int, g: ReqGrammar, drafts: list[int]) -> None:
+    """A verify step's masks for one grammar row, into bitmask rows at, at + 1,
+    ...: the allowed tokens before its first draft, then after each draft in
+    turn (1 + len(drafts) rows; the drafts are ones allowed_prefix passed).
+    The matcher is left as it was: the kept tokens are accepted when the
+    result is read."""
+    g.matcher.fill_next_token_bitmask(bitmask, at)
+    for token in drafts:
         at += 1
-        if drafts:
-            g.matcher.rollback(len(drafts))
-    return bitmask.numpy().tobytes()
+        assert g.matcher.accept_token(token), "a draft the grammar rejects"
+        g.matcher.fill_next_token_bitmask(bitmask, at)
+    if drafts:
+        g.matcher.rollback(len(drafts))
 
 
 def fill_bitmask(grammars: list[ReqGrammar]) -> bytes:

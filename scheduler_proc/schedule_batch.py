@@ -23,7 +23,7 @@ import torch
 
 from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardMode, PenaltyInit
 from scheduler_proc.cache_manager import CacheManager
-from scheduler_proc.grammar import fill_bitmask, fill_draft_bitmasks
+from scheduler_proc.grammar import fill_bitmask, fill_draft_bitmask
 from scheduler_proc.req import Req
 from scheduler_proc.thinking_budget import allow_only
 
@@ -220,12 +220,13 @@ class ScheduleBatch:
         self.seq_lens = [r.kv_len for r in self.reqs]
         self.input_ids = torch.tensor([t for r, d in zip(self.reqs, drafts) for t in (r.output_ids[-1], *d)],
                                       dtype=torch.int64)
-        # a grammar row's every token is sampled under its own mask (the drafts passed its matcher)
+        # a grammar row's every token is sampled under its own mask (the drafts
+        # passed its matcher); a forced thinking tag's row (no drafts) under its one token
         starts = list(itertools.accumulate((1 + n for n in self.draft_lens), initial=0))
-        constrained = [i for i, r in enumerate(self.reqs) if r.grammar is not None and not r.finished]
+        constrained = [i for i, r in enumerate(self.reqs) if not r.finished and (
+            r.grammar is not None or (r.thinking is not None and r.thinking.forced_next is not None))]
         self.draft_grammar = ([starts[i] + j for i in constrained for j in range(1 + self.draft_lens[i])],
-                              fill_draft_bitmasks([(self.reqs[i].grammar, drafts[i]) for i in constrained])
-                              if constrained else b"")
+                              self.draft_bitmask(constrained, drafts))
 
     def mix_with_running(self, running: "ScheduleBatch") -> None:
         """Append the running batch, prepared for its decode step, as extend
@@ -298,6 +299,27 @@ class ScheduleBatch:
                 r.grammar.matcher.fill_next_token_bitmask(bitmask, i)
             else:
                 allow_only(bitmask, i, forced)
+        return bitmask.numpy().tobytes()
+
+    def draft_bitmask(self, rows: list[int], drafts: list[list[int]]) -> bytes:
+        """A verify step's masks for its constrained rows, 1 + len(drafts[i])
+        rows each in token order: a grammar row's before and after each of its
+        drafts, a forced thinking tag's row its one token."""
+        if not rows:
+            return b""
+        first = self.reqs[rows[0]]
+        vocab = first.grammar.vocab_size if first.grammar is not None else first.thinking.vocab_size
+        # xgrammar's layout (a torch int32 tensor, every token allowed to start with)
+        bitmask = torch.full((sum(1 + len(drafts[i]) for i in rows), (vocab + 31) // 32), -1, dtype=torch.int32)
+        at = 0
+        for i in rows:
+            r = self.reqs[i]
+            if r.grammar is not None:
+                fill_draft_bitmask(bitmask, at, r.grammar, drafts[i])
+            else:
+                assert not drafts[i], "a forced thinking tag's row drafts nothing (ThinkingBudget.draft_room)"
+                allow_only(bitmask, at, r.thinking.forced_next)
+            at += 1 + len(drafts[i])
         return bitmask.numpy().tobytes()
 
     def to_forward_batch(self) -> ForwardBatch:

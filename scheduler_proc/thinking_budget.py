@@ -79,6 +79,18 @@ class ThinkingBudget:
         """The token the next step must sample, if forced."""
         return self.end_ids[self.forced] if self.phase is ThinkingPhase.FORCING else None
 
+    def draft_room(self) -> int | None:
+        """How many drafts a speculative verify step may check after this
+        row's next token (None: no limit of the budget's). Its tokens are
+        sampled freely, so they must all be thinking tokens within the budget
+        (or follow a closed block): a row that has yet to say whether it
+        thinks, or whose tag is being forced, decodes a token a step."""
+        if self.phase is ThinkingPhase.DONE:
+            return None
+        if self.phase is ThinkingPhase.THINKING:
+            return max(0, self.budget - self.count - 1)
+        return 0
+
     def forces_soon(self, pending: int) -> bool:
         """With `pending` tokens in flight, the token after them may be forced:
         the next step must wait for them (no overlap)."""

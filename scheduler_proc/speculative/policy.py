@@ -137,38 +137,36 @@ class Speculator:
         server = self.server.rate(PRIOR_ACCEPT_RATE, ROW_PRIOR_WEIGHT)
         return self.state(req).acceptance.rate(server, ROW_PRIOR_WEIGHT)
 
-    @staticmethod
-    def can_verify(reqs: list[Req]) -> bool:
-        """A thinking budget's forced token is decided a token at a time by the
-        scheduler: a batch with one decodes plainly. (A penalized row takes
-        part with no drafts, its penalty state advancing a token a step in
-        the model process; a grammar row's masks are filled draft by draft,
-        fill_draft_bitmasks.)"""
-        return all(r.thinking is None for r in reqs)
-
     def state(self, req: Req) -> DraftState:
         if req.draft_state is None:
             req.draft_state = DraftState(PromptLookup(self.min_window, self.max_window))
         return req.draft_state
 
     def room(self, req: Req) -> int:
-        """Drafts a row may take: never past max_new_tokens nor the context."""
-        return min(self.max_drafts, req.sampling_params.max_new_tokens - len(req.output_ids) - 1,
+        """Drafts a row may take: never past max_new_tokens nor the context,
+        nor its thinking budget's end (ThinkingBudget.draft_room); none for a
+        penalized row, whose penalty state advances a token a step in the
+        model process (it runs its one token beside the drafting rows)."""
+        if req.penalized:
+            return 0
+        room = min(self.max_drafts, req.sampling_params.max_new_tokens - len(req.output_ids) - 1,
                    self.context_len - req.num_tokens - 1)
+        cap = req.thinking.draft_room() if req.thinking is not None else None
+        return max(0, room if cap is None else min(room, cap))
 
     def may_pay(self, reqs: list[Req]) -> bool:
         """Whether drafts could pay in this batch at all, were every row to
         find all it may take: asked before the step in flight is waited for
         (a verify needs its tokens), so a batch too large to gain keeps the
         overlap schedule."""
-        return not self.adaptive or any(self.keep(reqs, [0 if r.penalized else max(0, self.room(r)) for r in reqs]))
+        return not self.adaptive or any(self.keep(reqs, [self.room(r) for r in reqs]))
 
     def propose(self, reqs: list[Req]) -> list[list[int]] | None:
         """Each row's drafts for this step (some may be empty), or None when
         no draft is expected to pay. Rows must have no token in flight."""
         drafts = []
         for r in reqs:
-            room = 0 if r.penalized else self.room(r)  # a penalized row: one token a step
+            room = self.room(r)
             found: list[int] = []
             if room > 0:
                 found = self.state(r).lookup.propose(r.fill_ids, room)

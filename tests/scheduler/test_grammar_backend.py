@@ -157,12 +157,12 @@ def test_the_compiled_grammar_cache_stays_under_its_byte_bound(make_backend):
 
 def test_drafts_are_cut_where_the_grammar_rejects_them_or_before_they_complete_it(make_backend,
                                                                                    default_model_dir):
-    """Speculative decoding: allowed_prefix and fill_draft_bitmasks leave the
+    """Speculative decoding: allowed_prefix and fill_draft_bitmask leave the
     matcher where it was."""
-    import numpy as np
+    import torch
     from transformers import AutoTokenizer
 
-    from scheduler_proc.grammar import ReqGrammar, fill_bitmask, fill_draft_bitmasks
+    from scheduler_proc.grammar import ReqGrammar, fill_bitmask, fill_draft_bitmask
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     backend = make_backend()
@@ -175,7 +175,9 @@ def test_drafts_are_cut_where_the_grammar_rejects_them_or_before_they_complete_i
     assert g.allowed_prefix(ids[:4] + [eos]) == 4  # the stop token would complete it: left to sample
     assert g.allowed_prefix(ids) == 5
     assert fill_bitmask([g]) == before  # the matcher is where it was
-    masks = np.frombuffer(fill_draft_bitmasks([(g, ids[:3])]), dtype=np.int32).reshape(4, -1)
+    masks = torch.full((4, (g.vocab_size + 31) // 32), -1, dtype=torch.int32)
+    fill_draft_bitmask(masks, 0, g, ids[:3])
+    masks = masks.numpy()
     allowed = [{t for t in (*ids, eos) if masks[j, t // 32] >> (t % 32) & 1} for j in range(4)]
     assert allowed == [{ids[0]}, {ids[1]}, {ids[2]}, {ids[3]}]  # one mask before each draft and after the last
     assert fill_bitmask([g]) == before

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from common.messages import AbortReq, ForwardMode, SamplingParams, TokenizedGenerateReq
+from common.messages import AbortReq, ForwardMode, SamplingParams, ThinkingBudgetSpec, TokenizedGenerateReq
 from common.server_args import ServerArgs
 from scheduler_proc.create import create_scheduler
 from scheduler_proc.kv_invariant import check_kv_invariant
@@ -237,6 +237,59 @@ def test_tiny_model_greedy_and_seeded_outputs_equal_the_run_without_speculation(
     for rid, req in ref.reqs.items():
         assert got.reqs[rid].output_ids == req.output_ids, rid
         assert got.reqs[rid].output_token_logprobs == pytest.approx(req.output_token_logprobs, abs=1e-4)
+
+
+def test_a_thinking_budget_row_drafts_up_to_its_budget_and_verifies_its_forced_tag(tiny_llama_dir):
+    """A row with a thinking budget takes part in verify steps: while it thinks
+    it drafts, never past the budget (its tokens are sampled freely, so the
+    budget's end must fall between steps), and each token of its forced
+    closing tag is sampled under its one-token mask in a verify step beside
+    rows that draft. Outputs equal the run without speculation, the tag right
+    after `budget` thinking tokens."""
+    from scheduler_proc.thinking_budget import ThinkingPhase
+    from tests.scheduler.test_engine_matches_transformers import Engine
+
+    end, budget = [301, 302], 7
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 300) for _ in range(12)]
+
+    def run(speculate: bool):
+        engine = Engine(tiny_llama_dir, max_running_requests=4, max_total_tokens=600,
+                        speculative_algorithm="NGRAM" if speculate else "",
+                        disable_speculative_adaptive=speculate)  # every draft: this test is of exactness
+        sched = engine.sched
+        proposed: list[tuple[ThinkingPhase, int]] = []  # the budget row's phase and drafts at each verify
+        if speculate:
+            propose = sched.speculator.propose
+
+            def spy(reqs):
+                drafts = propose(reqs)
+                proposed.extend((r.thinking.phase, len(d)) for r, d in zip(reqs, drafts or [])
+                                if r.rid == "budget")
+                return drafts
+            sched.speculator.propose = spy
+        # "first" finishes before the others start: its output is the table's,
+        # which the two repeats of its prompt draft from
+        plan = {0: [("first", None)], 40: [("budget", ThinkingBudgetSpec(budget=budget, end_ids=end)),
+                                           ("again", None)]}
+        for step in range(3000):
+            for rid, spec in plan.pop(step, []):
+                sched.process_input_requests([TokenizedGenerateReq(
+                    rid=rid, input_ids=prompt, thinking_budget=spec,
+                    sampling_params=SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True))])
+                engine.reqs[rid] = sched.queue.by_rid[rid]
+            if sched.step() is None and not plan and sched.is_idle():
+                break
+            assert check_kv_invariant(sched.cache) is None
+        engine.assert_no_leak()
+        return {rid: r.output_ids for rid, r in engine.reqs.items()}, proposed
+
+    (ref, _), (got, proposed) = run(False), run(True)
+    assert got == ref
+    assert got["budget"][:budget] == got["first"][:budget] and got["budget"][budget:budget + 2] == end
+    assert any(phase is ThinkingPhase.THINKING and n > 0 for phase, n in proposed), proposed
+    assert sum(phase is ThinkingPhase.FORCING for phase, _ in proposed) == 2, proposed  # each tag token
+    assert all(n == 0 for phase, n in proposed if phase is ThinkingPhase.FORCING)
 
 
 def test_grammar_rows_verify_drafts_under_their_masks_and_answer_as_without_speculation(default_model_dir):
