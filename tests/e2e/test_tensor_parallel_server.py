@@ -1,9 +1,10 @@
 """Tensor parallelism through the real server (launch.py, gloo on the CPU):
 
-- greedy answers with --tp-size 2 and --tp-size 3 (a tiny model of 12 heads /
-  6 KV heads, intermediate 192: 3 and 2 KV heads per rank; a vocabulary of 512, padded to a
-  multiple of 3 for tp3) are the --tp-size 1 answers (the near-tie
-  criterion), in a run with chunked prefill and a retraction;
+- greedy answers with --tp-size 2 (speculative decoding on) and --tp-size 3
+  (a tiny model of 12 heads / 6 KV heads, intermediate 192: 3 and 2 KV heads
+  per rank; a vocabulary of 512, padded to a multiple of 3 for tp3) are the
+  --tp-size 1 answers (the near-tie criterion), in a run with chunked prefill
+  and a retraction;
 - two "nodes" on localhost (two launch.py, --nnodes 2): node 1 runs only its
   model rank, node 0 everything else; same answers; when node 0 stops in
   order both exit 0, and when node 1's rank dies node 0 fails every request
@@ -83,11 +84,17 @@ def tiny_reference(tiny_model: str, default_model_dir: str) -> list[dict[str, An
     return serve_and_ask(TINY_PROMPTS, "--model-path", tiny_model, "--tokenizer-path", default_model_dir)
 
 
-def test_tp2_greedy_answers_equal_tp1_with_chunked_prefill_and_a_retraction(tiny_model, default_model_dir,
-                                                                           tiny_reference):
+def test_tp2_with_speculation_greedy_answers_equal_tp1_with_chunked_prefill_and_a_retraction(
+        tiny_model, default_model_dir, tiny_reference):
+    """With speculative decoding on too (every draft verified: not adaptive),
+    so verify steps run across the ranks beside chunked prefill and the
+    retraction; the 2-node and killed-rank tests below run tp2 without it."""
     ours = serve_and_ask(TINY_PROMPTS, "--model-path", tiny_model, "--tokenizer-path", default_model_dir,
-                         "--tp-size", "2")
+                         "--tp-size", "2", "--speculative-algorithm", "NGRAM", "--disable-speculative-adaptive")
     assert_same_greedy(ours, tiny_reference)
+    verified = [a["meta_info"].get("spec_verify_ct", 0) for a in ours]
+    accepted = [a["meta_info"].get("spec_accept_length", 0) for a in ours]
+    assert sum(verified) > 0 and max(accepted) > 1, (verified, accepted)  # drafts kept across the ranks
 
 
 def test_tp3_greedy_answers_equal_tp1_with_chunked_prefill_and_a_retraction(tiny_model, default_model_dir,
