@@ -84,6 +84,33 @@ def test_the_native_store_writes_the_bits_kvpool_store_writes() -> None:
         assert torch.equal(a[0][loc], b[0][loc])
 
 
+def test_a_query_group_over_one_int8_kv_head_gets_what_each_head_gets_alone() -> None:
+    """Grouped-query attention over an int8 pool: a KV head's query group
+    (3 heads over one KV head) gets bit for bit what each head gets over a
+    KV head of its own holding the same rows and scales. Rows of 40 and 7
+    keys: a whole block of 32 and a short one, and a row shorter than a block."""
+    op = native_op()
+    g = torch.Generator().manual_seed(4)
+    group, d, lens = 3, 64, [40, 7]
+    shared, apart = KVPool(64, 1, 1, d, torch.float32, "cpu", int8=True), KVPool(64, 1, group, d, torch.float32,
+                                                                                  "cpu", int8=True)
+    k, v = torch.randn(64, 1, d, generator=g), torch.randn(64, 1, d, generator=g) * 3
+    shared.store(0, torch.arange(64), k, v)
+    apart.store(0, torch.arange(64), k.expand(64, group, d), v.expand(64, group, d))
+    slots = torch.randperm(64, generator=g)[:sum(lens)]
+    indptr = torch.tensor([0, lens[0], sum(lens)])
+    last = slots[indptr[1:] - 1]
+    q = torch.randn(2, group, d, generator=g)
+    outs = []
+    for pool in (shared, apart):
+        kv = pool.k_buffer[0].shape[1]
+        out = torch.empty_like(q)
+        op.decode_int8(out, q, pool.k_buffer[0], pool.v_buffer[0], pool.k_scale[0], pool.v_scale[0], indptr, slots,
+                       0.125, 1, k[last].expand(2, kv, d).contiguous(), v[last].expand(2, kv, d).contiguous(), last)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_an_int8_pool_takes_the_bytes_it_says_and_copies_scales_with_rows() -> None:
     pool = KVPool(32, 3, 2, 64, torch.bfloat16, "cpu", int8=True)
     assert KVPool.bytes_per_token(3, 2, 64, torch.bfloat16, int8=True) == 2 * 3 * 2 * (64 + 4)
