@@ -37,16 +37,14 @@ CFLAGS = ["-O3", "-fopenmp", "-march=native", "-std=c++17"]
 # which needs each float32 multiply and add rounded apart (g++ fuses them by default)
 # (quant_dot: its AVX2 and scalar paths agree bit for bit, the same float ops in the same order)
 MODULE_CFLAGS = {"quant": ["-ffp-contract=off"], "quant_dot": ["-ffp-contract=off"]}
+# the headers a module's source includes (from this folder): copied beside it and hashed with it
+MODULE_HEADERS = {"quant": ["ggml_blocks.h"], "quant_dot": ["ggml_blocks.h"]}
 # what each module is for, in its log lines
 PURPOSE = {"attention": "native attention op", "layers": "native layer ops", "quant": "native quantized matmul",
            "quant_dot": "native 8-bit-activation quantized matmul"}
 
 _modules: dict[str, ModuleType] = {}
 _failures: dict[str, str] = {}
-
-
-def source(name: str) -> str:
-    return os.path.join(HERE, f"{name}.cpp")
 
 
 def cflags(name: str) -> list[str]:
@@ -70,22 +68,24 @@ def build_dir(name: str = "attention") -> str:
     # virtual environment's torch has other include paths, so two environments sharing
     # one directory rebuilt it in turn (each test's model process waiting a minute on it)
     cpu = hashlib.sha1((flags + os.path.dirname(torch.__file__)).encode()).hexdigest()[:10]
-    with open(source(name), "rb") as f:
-        digest = hashlib.sha1(f.read() + " ".join(cflags(name)).encode()).hexdigest()[:10]
+    text = b"".join(open(os.path.join(HERE, f), "rb").read() for f in [f"{name}.cpp", *MODULE_HEADERS.get(name, [])])
+    digest = hashlib.sha1(text + " ".join(cflags(name)).encode()).hexdigest()[:10]
     path = os.path.join(root, f"{name}-torch{torch.__version__}-{platform.machine()}-{cpu}-{digest}")
     os.makedirs(path, exist_ok=True)
     return path
 
 
 def _source_copy(name: str, directory: str) -> str:
-    """The source, copied into its build directory (whose name holds its hash):
-    ninja's build file names the source's path, so building from each
-    checkout's own file would rebuild whenever another checkout used the cache."""
-    path = os.path.join(directory, f"{name}.cpp")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}"
-        shutil.copyfile(source(name), tmp)
-        os.replace(tmp, path)  # atomic: a concurrent build sees the whole file or none
+    """The source and its headers, copied into its build directory (whose name
+    holds their hash): ninja's build file names the source's path, so building
+    from each checkout's own file would rebuild whenever another checkout used
+    the cache. Returns the source's copy."""
+    for file in [*MODULE_HEADERS.get(name, []), f"{name}.cpp"]:
+        path = os.path.join(directory, file)
+        if not os.path.exists(path):
+            tmp = f"{path}.{os.getpid()}"
+            shutil.copyfile(os.path.join(HERE, file), tmp)
+            os.replace(tmp, path)  # atomic: a concurrent build sees the whole file or none
     return path
 
 

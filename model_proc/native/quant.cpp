@@ -57,6 +57,8 @@
 
 #include <torch/extension.h>
 
+#include "ggml_blocks.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -520,18 +522,7 @@ auto dispatch(int64_t qtype, F&& f) {
                     "Q4_K=12, Q5_K=13, Q6_K=14)");
 }
 
-// The checks both ops make of a weight: its byte layout for K columns of `qtype`.
-template <class T>
-void check_blocks(const at::Tensor& blocks, int64_t K) {
-  TORCH_CHECK_VALUE(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2,
-                    "blocks must be a uint8 CPU tensor [N, row_bytes], got ", blocks.scalar_type(), " ",
-                    blocks.sizes());
-  TORCH_CHECK_VALUE(K > 0 && K % T::kQK == 0, "k = ", K, " is not a positive multiple of the type's ", T::kQK,
-                    "-weight block");
-  TORCH_CHECK_VALUE(blocks.size(1) == K / T::kQK * T::kBytes, "blocks have ", blocks.size(1),
-                    " bytes a row; k = ", K, " needs ", K / T::kQK * T::kBytes);
-  TORCH_CHECK_VALUE(blocks.stride(1) == 1 || blocks.size(1) <= 1, "each row's bytes must be contiguous");
-}
+using batchserve::check_blocks;
 
 at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t k, const c10::optional<at::Tensor>& out) {
   return dispatch(qtype, [&](auto t) {

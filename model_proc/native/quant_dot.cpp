@@ -44,6 +44,8 @@
 
 #include <torch/extension.h>
 
+#include "ggml_blocks.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -577,14 +579,7 @@ at::Tensor gemv_q8(const at::Tensor& q, const at::Tensor& d, const at::Tensor& s
                    const at::Tensor& blocks, int64_t qtype, int64_t k) {
   return dispatch(qtype, [&](auto t) {
     using T = decltype(t);
-    TORCH_CHECK_VALUE(k > 0 && k % T::kQK == 0, "k = ", k, " is not a positive multiple of the type's ", T::kQK,
-                      "-weight block");
-    TORCH_CHECK_VALUE(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2,
-                      "blocks must be a uint8 CPU tensor [N, row_bytes], got ", blocks.scalar_type(), " ",
-                      blocks.sizes());
-    TORCH_CHECK_VALUE(blocks.size(1) == k / T::kQK * T::kBytes, "blocks have ", blocks.size(1),
-                      " bytes a row; k = ", k, " needs ", k / T::kQK * T::kBytes);
-    TORCH_CHECK_VALUE(blocks.stride(1) == 1 || blocks.size(1) <= 1, "each row's bytes must be contiguous");
+    batchserve::check_blocks<T>(blocks, k);
     const int64_t Kp = padded(k);
     TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() &&
                           q.size(1) == Kp,

@@ -290,3 +290,23 @@ def test_a_build_killed_midway_does_not_hang_the_next_load() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=120, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert not lock.exists()
+
+
+def test_a_module_s_build_directory_follows_its_headers_and_holds_their_copies(tmp_path, monkeypatch) -> None:
+    """The build directory's name hashes a module's source and the headers it
+    includes (MODULE_HEADERS): a changed header is a new build, not the old
+    binary; and the headers are copied beside the source, where its
+    `#include "..."` finds them."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for file in ("quant.cpp", *native.MODULE_HEADERS["quant"]):
+        (src / file).write_bytes((Path(native.HERE) / file).read_bytes())
+    monkeypatch.setattr(native, "HERE", str(src))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    before = native.build_dir("quant")
+    header = src / native.MODULE_HEADERS["quant"][0]
+    header.write_text(header.read_text() + "\n// changed\n")
+    after = native.build_dir("quant")
+    assert after != before
+    copy = native._source_copy("quant", after)
+    assert Path(copy).name == "quant.cpp" and (Path(after) / header.name).read_text() == header.read_text()
