@@ -307,13 +307,14 @@ class ScheduleBatch:
         drafts, a forced thinking tag's row its one token."""
         if not rows:
             return b""
-        first = self.reqs[rows[0]]
-        vocab = first.grammar.vocab_size if first.grammar is not None else first.thinking.vocab_size
+        reqs = [self.reqs[i] for i in rows]
+        # the model's logits width (a grammar's is the same: ReqGrammar's tokenizer info is built with it)
+        vocab = next((r.thinking.vocab_size for r in reqs if r.thinking is not None), None) \
+            or reqs[0].grammar.vocab_size
         # xgrammar's layout (a torch int32 tensor, every token allowed to start with)
         bitmask = torch.full((sum(1 + len(drafts[i]) for i in rows), (vocab + 31) // 32), -1, dtype=torch.int32)
         at = 0
-        for i in rows:
-            r = self.reqs[i]
+        for i, r in zip(rows, reqs):
             if r.grammar is not None:
                 fill_draft_bitmask(bitmask, at, r.grammar, drafts[i])
             else:
