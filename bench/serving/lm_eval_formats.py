@@ -120,7 +120,8 @@ def report(command: str, ref: Scores, rows: list[tuple[Format, Scores, float]],
              "(item, choice) log-likelihood's difference from the reference's, in nats. "
              f"Load average (1, 5, 15 min) {' '.join(f'{x:.2f}' for x in load[0])} at the start, "
              f"{' '.join(f'{x:.2f}' for x in load[1])} at the end.", "",
-             "| format | server flags | acc | largest abs delta | mean abs delta | items choosing otherwise | lm-eval s |",
+             "| format | server flags | acc | largest abs delta | mean abs delta | items choosing otherwise "
+             "| lm-eval s |",
              "|---|---|---|---|---|---|---|",
              f"| {REFERENCE.name} (reference) | `{' '.join(REFERENCE.flags)}` | {ref.acc:.3f} | 0 | 0 | 0 | |"]
     for fmt, s, seconds in rows:
