@@ -22,6 +22,7 @@ from common.ipc import PushSocket
 from common.messages import ReadyMsg
 from common.peer_watch import PeerWatch, read_stop_reason, socket_dir
 from common.proc import ChildConfig, child_main_setup, freeze_startup_heap, wait_model_info
+from common.tokenizer_files import import_tokenizer_library
 from tokenizer_proc.connections import raise_open_file_limit
 from tokenizer_proc.http_server import MANAGER, build_app, start_http
 from tokenizer_proc.shutdown import Shutdown
@@ -69,6 +70,7 @@ async def serve(cfg: ChildConfig, tokenizer: Tokenizer) -> int:
 def main() -> None:
     cfg = child_main_setup("tokenizer")
     logger.info("open-file limit %d", raise_open_file_limit())  # every connection is a descriptor
+    import_tokenizer_library()  # while the model loads: off the start's critical path
     model_info = wait_model_info(cfg)
     try:
         tokenizer = load_tokenizer(model_info.tokenizer_path, cfg.server_args.chat_template_text())

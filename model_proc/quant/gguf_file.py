@@ -19,6 +19,7 @@ import numpy as np
 # metadata value types (ggml's gguf_type) -> struct format; 8 is a string, 9 an array
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")  # a string's byte count, before its bytes
 DEFAULT_ALIGNMENT = 32
 
 
@@ -53,6 +54,23 @@ class _Cursor:
         self.pos += n
         return text
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in a row: string() inlined, since a vocabulary's
+        arrays hold ~100,000 of them (the default model's: 0.66 -> 0.2 s)."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        length = _LENGTH.unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                raise IndexError("string past the buffer")
+            (n,) = length(buf, pos)
+            pos += 8
+            if pos + n > end:
+                raise IndexError("string past the buffer")
+            out.append(buf[pos:pos + n].decode("utf-8"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, kind: int) -> Any:
         if kind == _STRING:
             return self.string()
@@ -60,6 +78,8 @@ class _Cursor:
             elem, count = self.unpack("<IQ")
             if elem in _SCALAR_FORMATS:
                 return list(self.unpack(f"<{count}{_SCALAR_FORMATS[elem]}"))
+            if elem == _STRING:
+                return self.strings(count)
             return [self.value(elem) for _ in range(count)]
         if kind not in _SCALAR_FORMATS:
             raise ValueError(f"unknown GGUF metadata value type {kind}")
