@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from model_proc.quant.gguf_file import GGUFFile
+from model_proc.quant.gguf_file import GGUFFile, _Cursor
 
 
 def test_metadata_and_tensors_equal_gguf_pys_reader(tmp_path) -> None:
@@ -61,3 +61,16 @@ def test_a_file_that_is_not_a_gguf_is_a_clear_error(tmp_path) -> None:
     path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (1).to_bytes(8, "little") + (1).to_bytes(8, "little"))
     with pytest.raises(ValueError, match="cut short"):
         GGUFFile(str(path))
+
+
+def test_a_string_array_cut_short_asks_for_more_of_the_file() -> None:
+    """GGUFFile reads the header in growing pieces: a string array that runs
+    past the piece read so far is an IndexError (read more), never a
+    half-decoded string, whether its length or its bytes are cut."""
+    one = len("ab").to_bytes(8, "little") + b"ab"
+    two = "\u00e9\u00e9".encode()  # 4 bytes
+    whole = one + len(two).to_bytes(8, "little") + two
+    assert _Cursor(whole, 0).strings(2) == ["ab", "\u00e9\u00e9"]
+    for cut in (len(one) + 4, len(whole) - 1):  # inside the second length; inside its bytes (mid-character)
+        with pytest.raises(IndexError):
+            _Cursor(whole[:cut], 0).strings(2)

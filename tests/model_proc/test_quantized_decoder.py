@@ -135,19 +135,20 @@ def test_portable_rope_is_the_float32_rotation_rounded_once(dtype: torch.dtype) 
 @needs_layers
 @DTYPES
 @pytest.mark.parametrize("gated", [False, True])
-def test_finish_adds_bias_gates_and_the_residual_in_float32(gated: bool, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("rows,n_out", [(4, 24), (1, 600), (3, 600)])  # 600: pieces of 256 columns, the last short
+def test_finish_adds_bias_gates_and_the_residual_in_float32(gated: bool, dtype: torch.dtype, rows: int,
+                                                            n_out: int) -> None:
     op = native_step_ops(CPU)
     g = torch.Generator().manual_seed(2)
-    n_out = 24
-    y = torch.randn(4, 2 * n_out if gated else n_out, generator=g) * 3
+    y = torch.randn(rows, 2 * n_out if gated else n_out, generator=g) * 3
     bias = torch.randn(y.shape[1], generator=g)
-    add = torch.randn(4, n_out, generator=g).to(dtype)
+    add = torch.randn(rows, n_out, generator=g).to(dtype)
     ref = y + bias
     if gated:
         ref = F.silu(ref[:, :n_out]) * ref[:, n_out:]
     ref = ref + add.float()
     out = op.finish(y, n_out, gated, bias, add, dtype)
-    assert out.dtype == dtype and out.shape == (4, n_out)
+    assert out.dtype == dtype and out.shape == (rows, n_out)
     assert ((out.float() - ref).abs() <= ref.abs() * ULP[dtype] + 1e-5).all()
     if not gated:  # nothing to add: the float32 product rounded once
         assert torch.equal(op.finish(y, n_out, gated, None, None, dtype), y.to(dtype))
