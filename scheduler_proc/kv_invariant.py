@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from scheduler_proc.req import Req
 
 if TYPE_CHECKING:
@@ -53,9 +51,10 @@ def _fills_own_pages_in_order(cm: CacheManager, req: Req) -> bool:
     P = cm.page_size
     if P == 1:  # every slot is a page of its own: any order fills them
         return True
-    own = cm.table[req.req_pool_idx, req.cached_prefix_len:req.kv_len].long()
-    if req.cached_prefix_len % P or not bool(((own[::P] - 1) % P == 0).all()):
+    if req.cached_prefix_len % P:
         return False
-    inner = torch.arange(own.numel())
-    inner = inner[inner % P != 0]  # positions inside a page follow their predecessor
-    return bool((own[inner] == own[inner - 1] + 1).all())
+    # a page's first slot is 1 + k P (slot 0 is the padding dummy), each slot inside a
+    # page follows its predecessor; on a list: the tests check this after every step,
+    # where a dozen small tensor ops a request cost ~70 us against ~3-30 here
+    own = cm.table[req.req_pool_idx, req.cached_prefix_len:req.kv_len].tolist()
+    return all((s - 1) % P == 0 if i % P == 0 else s == own[i - 1] + 1 for i, s in enumerate(own))

@@ -98,7 +98,10 @@ class FakeModel:
         self.penalty_history: dict[int, list[int]] = {}  # req_pool_idx -> output ids held for it
         self.copied_rows = 0  # KV rows copied (ForwardBatch.kv_copy_src/dst)
         self.verify_steps = 0  # ForwardMode.VERIFY steps run
-        self.table = torch.zeros(max_rows + 1, context_len, dtype=torch.int64)
+        # grown by rows as they are used: a whole table (1025 x 4096 x 8 bytes) zeroed for
+        # each of the suite's thousands of fake models cost seconds
+        self.max_rows, self.context_len = max_rows, context_len
+        self.table = torch.zeros(0, context_len, dtype=torch.int64)
         self.slot_pos = torch.full((max_total_tokens + 1,), -1, dtype=torch.int64)
         self.slot_prev = torch.zeros(max_total_tokens + 1, dtype=torch.int64)
         self.slot_hash = torch.zeros(max_total_tokens + 1, dtype=torch.int64)
@@ -107,6 +110,7 @@ class FakeModel:
         self.batches.append(batch)
         rows = batch.req_pool_indices
         start = 0
+        self._grow_table(max(itertools.chain(rows, batch.table_rows), default=0))
         for row, n in zip(batch.table_rows, batch.table_lens):
             self.table[row, :n] = torch.tensor(batch.table_slots[start:start + n])
             start += n
@@ -169,6 +173,15 @@ class FakeModel:
             return ForwardResult(next_token_ids=out, accept_lens=kept)
         self.last_sampled.update(zip(rows, out))
         return ForwardResult(next_token_ids=out)
+
+    def _grow_table(self, row: int) -> None:
+        """Rows 0..row (and then some) exist, zeros where never written."""
+        assert row <= self.max_rows, f"table row {row} past the model's {self.max_rows} rows"
+        if row >= self.table.shape[0]:
+            rows = min(self.max_rows + 1, max(row + 1, 2 * self.table.shape[0], 64))
+            grown = torch.zeros(rows, self.context_len, dtype=torch.int64)
+            grown[:self.table.shape[0]] = self.table
+            self.table = grown
 
     def sample(self, chained: int, last: int, position: int) -> int:
         """The token after `last` at `position` (chained: the hash up to it)."""
