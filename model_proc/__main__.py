@@ -69,7 +69,9 @@ def main() -> None:
             runner = ModelRunner(sa, tp)
         except ValueError as e:  # flags that do not fit the model (e.g. --tp-size): the reason, no traceback
             logger.error("cannot start: %s", e)
-            sys.exit(1)
+            # at once: the interpreter's teardown with a process group spent ~2 s in
+            # torch.distributed's before launch.py saw the exit
+            os._exit(1)
         ctx = zmq.Context()
         launcher = PushSocket(ctx, cfg.ipc.launcher)
         freeze_startup_heap()
