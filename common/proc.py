@@ -76,7 +76,7 @@ def wait_model_info(cfg: ChildConfig) -> ModelInfo:
     """The model's ModelInfo: from the config where launch.py had it at the
     start, else from the socket folder once the model is ready. launch.py starts
     the scheduler and the tokenizer process beside the model process, so their
-    imports (torch alone ~1.5 s) overlap its load instead of following it; if
+    imports (transformers in the front end, ~1.5 s) overlap its load instead of following it; if
     the model fails to start, launch.py stops this process while it waits."""
     if cfg.model_info is not None:
         return cfg.model_info

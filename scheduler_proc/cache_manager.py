@@ -52,9 +52,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
-from scheduler_proc.memory import PageAllocator, ReqToTokenPool, int64_tensor, slots_taken
+from scheduler_proc.memory import PageAllocator, ReqToTokenPool, Slots, slots_taken
 from scheduler_proc.radix_cache import PrefixMatch, RadixCache, TreeNode
 from scheduler_proc.req import Req
 from scheduler_proc.window_pool import WindowPool, usable_prefix
@@ -67,8 +67,8 @@ class KVCopy:
     out with the request's first extend, into `dst`, its own first page."""
 
     node: TreeNode
-    src: torch.Tensor
-    dst: torch.Tensor
+    src: Slots
+    dst: Slots
 
 
 class CacheManager:
@@ -94,7 +94,7 @@ class CacheManager:
         self.offered_tokens = 0
 
     @property
-    def table(self) -> torch.Tensor:
+    def table(self) -> np.ndarray:
         return self.req_to_token_pool.req_to_token
 
     # ---- capacity ------------------------------------------------------------------------
@@ -173,13 +173,13 @@ class CacheManager:
                 end, node = start, node.parent
         return freed
 
-    def _free(self, slots: torch.Tensor) -> None:
+    def _free(self, slots: Slots) -> None:
         """Free a run of a request's positions (its pages), and their window pages."""
         if self.window_pool is not None:
             self.window_pool.release(slots)
         self.allocator.free(slots)
 
-    def _take_pages(self, n: int) -> torch.Tensor | None:
+    def _take_pages(self, n: int) -> Slots | None:
         """n pages (each with its window page, with a window pool), evicting
         unlocked cache if a free list is short; None if even that is not
         enough (nothing is allocated then; with a window pool, what was
@@ -217,7 +217,7 @@ class CacheManager:
         self._slide_windows(reqs)
         return self.window_pool is None or self._window_room(need)
 
-    def alloc_extend(self, reqs: list[Req], extend_lens: list[int]) -> torch.Tensor | None:
+    def alloc_extend(self, reqs: list[Req], extend_lens: list[int]) -> Slots | None:
         """Slots for the next extend_lens[i] prompt tokens of reqs[i] (alloc_tokens),
         and the count of prompt tokens the prefix cache served."""
         prefix_lens = [r.kv_len for r in reqs]
@@ -230,7 +230,7 @@ class CacheManager:
                 r.already_computed = max(r.already_computed, p + n)
         return locs
 
-    def alloc_tokens(self, reqs: list[Req], extend_lens: list[int]) -> torch.Tensor | None:
+    def alloc_tokens(self, reqs: list[Req], extend_lens: list[int]) -> Slots | None:
         """Slots for extend_lens[i] more tokens of reqs[i] after its kv_len,
         written into its table row (the rest of its last page, then new pages),
         and its kv_len advanced past them. Returns the slots concatenated
@@ -243,21 +243,21 @@ class CacheManager:
         pages = self._take_pages(sum(counts))
         if pages is None:
             return None
-        runs = (self.allocator.first_slots(pages).view(-1, 1) + torch.arange(P)).view(-1, P)
-        parts: list[torch.Tensor] = []
+        runs = (self.allocator.first_slots(pages).reshape(-1, 1) + np.arange(P)).reshape(-1, P)
+        parts: list[Slots] = []
         used = 0
         for r, p, n, f, k in zip(reqs, prefix_lens, extend_lens, fills, counts):
             row = r.req_pool_idx
             if f:  # the request's own last page (a chunk or a decode left it partly used)
                 start = int(self.table[row, p - 1]) + 1
-                parts.append(torch.arange(start, start + f))
+                parts.append(np.arange(start, start + f, dtype=np.int64))
             parts.append(runs[used:used + k].reshape(-1)[:n - f])
             used += k
-            self.table[row, p:p + n] = torch.cat(parts[-2:] if f else parts[-1:]).to(torch.int32)
+            self.table[row, p:p + n] = np.concatenate(parts[-2:] if f else parts[-1:])
             r.kv_len = p + n
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
-    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
+    def alloc_decode(self, reqs: list[Req]) -> Slots | None:
         """A slot for one more token of each request at position kv_len,
         written into its table row (the next slot of its last page, or a new
         page's first), and its kv_len advanced by one. None if the pool cannot
@@ -272,14 +272,14 @@ class CacheManager:
             if pages is None:
                 return None
             firsts = self.allocator.first_slots(pages).tolist()
-        rows, cols = int64_tensor([r.req_pool_idx for r in reqs]), int64_tensor(positions)
-        # the others take the slot after their last one. Lists, not masked tensor ops:
+        rows, cols = np.array([r.req_pool_idx for r in reqs]), np.array(positions)
+        # the others take the slot after their last one. Lists, not masked array ops:
         # this runs every decode step, where a dozen small tensor ops cost ~0.3 ms of
         # the scheduler's ~1.3 ms at one row, time the model's threads lose on 2 cores
         last = self.table[rows, cols - 1].tolist() if opens < len(reqs) else positions
         new = iter(firsts)
-        locs = int64_tensor([next(new) if p % P == 0 else s + 1 for p, s in zip(positions, last)])
-        self.table[rows, cols] = locs.to(torch.int32)
+        locs = np.array([next(new) if p % P == 0 else s + 1 for p, s in zip(positions, last)], dtype=np.int64)
+        self.table[rows, cols] = locs
         for r in reqs:
             r.kv_len += 1
         return locs
@@ -291,7 +291,7 @@ class CacheManager:
         assert req.cached_prefix_len <= kv_len <= req.kv_len, "trim past the request's own tokens"
         end = self.pages_for(kv_len)
         if req.kv_len > end:
-            self._free(self.table[req.req_pool_idx, end:req.kv_len].long())
+            self._free(self.table[req.req_pool_idx, end:req.kv_len].astype(np.int64))
         req.kv_len = kv_len
 
     def _slide_windows(self, reqs: list[Req]) -> None:
@@ -333,7 +333,7 @@ class CacheManager:
         match = self.tree.match_prefix(key, req.cache_salt)
         if self.window_pool is not None and match.length:
             # the sliding layers of its first new token need the last window - 1 tokens' K/V
-            n = usable_prefix(self.window_pool.held(torch.cat([match.slots, match.copy_slots])),
+            n = usable_prefix(self.window_pool.held(np.concatenate([match.slots, match.copy_slots])),
                               self.window_pool.window, self.page_size)
             if n < match.length:
                 match = self.tree.match_prefix(key[:n], req.cache_salt)
@@ -373,10 +373,10 @@ class CacheManager:
         n = k = 0
         if match is not None:
             assert self.tree is not None
-            n = int(match.slots.numel())
+            n = match.slots.size
             self.tree.lock(match.node)
             req.last_node = match.node
-            self.table[row, :n] = match.slots.to(torch.int32)
+            self.table[row, :n] = match.slots
             req.table_sync_len = n
             if match.copy_node is not None:
                 self.tree.lock(match.copy_node)  # before taking the page: eviction must not take the source
@@ -384,9 +384,9 @@ class CacheManager:
                 if page is None:  # the budget counted the page; stay safe if it is not there
                     self.tree.unlock(match.copy_node)
                 else:
-                    k = int(match.copy_slots.numel())
-                    dst = self.allocator.first_slots(page) + torch.arange(k)
-                    self.table[row, n:n + k] = dst.to(torch.int32)
+                    k = match.copy_slots.size
+                    dst = self.allocator.first_slots(page) + np.arange(k)
+                    self.table[row, n:n + k] = dst
                     self.pending_copies[row] = KVCopy(match.copy_node, match.copy_slots, dst)
                     req.table_sync_len = n + k
             self.offered_tokens += req.num_tokens - 1
@@ -422,20 +422,20 @@ class CacheManager:
         if self.tree is None or not req.req_pool_idx or n <= req.cached_prefix_len:
             return
         row = self.table[req.req_pool_idx]
-        had = self._insert_own(req, req.fill_ids[:n], row[:n].long())
+        had = self._insert_own(req, req.fill_ids[:n], row[:n].astype(np.int64))
         match = self.tree.match_prefix(req.fill_ids[:n], req.cache_salt)
         assert match.length == n, "an inserted key must match in full"
         if had > req.cached_prefix_len:
             # its duplicates were freed: point the row at the tree's copies, here
             # and (with the request's next step) in the model process
-            row[:n] = match.slots.to(torch.int32)
+            row[:n] = match.slots
             req.table_sync_len = max(req.table_sync_len, had)
         self.tree.lock(match.node)
         self._unlock(req)
         req.last_node = match.node
         req.cached_prefix_len = n
 
-    def _insert_own(self, req: Req, key: list[int], slots: torch.Tensor) -> int:
+    def _insert_own(self, req: Req, key: list[int], slots: Slots) -> int:
         """Insert `key`; the request's own slots for tokens the tree already had
         (put there by another request meanwhile) are duplicates: free them.
         Returns how many leading tokens the tree had."""
@@ -460,10 +460,10 @@ class CacheManager:
         if cache and self.tree is not None:
             kept = min(req.kv_len, req.num_tokens)
             if kept > req.cached_prefix_len:
-                self._insert_own(req, req.fill_ids[:kept], row[:kept].long())
+                self._insert_own(req, req.fill_ids[:kept], row[:kept].astype(np.int64))
         end_of_kept = self.pages_for(kept)  # a page the tree took part of is the tree's
         if req.kv_len > end_of_kept:
-            self._free(row[end_of_kept:req.kv_len].long())
+            self._free(row[end_of_kept:req.kv_len].astype(np.int64))
         copy = self.pending_copies.pop(req.req_pool_idx, None)
         if copy is not None:  # admitted, never sent
             assert self.tree is not None

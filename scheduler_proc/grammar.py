@@ -54,6 +54,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from common.messages import Grammar, GrammarKind
 from common.server_args import ServerArgs
 from common.tokenizer_files import find_tokenizer, load_hf_tokenizer
@@ -379,12 +381,22 @@ def fill_draft_bitmask(bitmask, at: int, g: ReqGrammar, drafts: list[int]) -> No
         g.matcher.rollback(len(drafts))
 
 
+def new_bitmask(rows: int, vocab_size: int, for_grammar: bool) -> Any:
+    """`rows` rows of ForwardBatch.grammar_bitmask's layout, every token
+    allowed: xgrammar's own (a torch tensor) where a matcher fills some row
+    (xgrammar is loaded then), else a numpy array (a spent thinking budget's
+    forced token alone needs neither xgrammar nor torch in this process)."""
+    if for_grammar:
+        import xgrammar as xgr
+
+        return xgr.allocate_token_bitmask(rows, vocab_size)
+    return np.full((rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
+
+
 def fill_bitmask(grammars: list[ReqGrammar]) -> bytes:
     """The allowed-token bitmask of each grammar's next token, one row each
     (ForwardBatch.grammar_bitmask's layout)."""
-    import xgrammar as xgr
-
-    bitmask = xgr.allocate_token_bitmask(len(grammars), grammars[0].vocab_size)
+    bitmask = new_bitmask(len(grammars), grammars[0].vocab_size, for_grammar=True)
     for i, g in enumerate(grammars):
         g.matcher.fill_next_token_bitmask(bitmask, i)
-    return bitmask.numpy().tobytes()
+    return np.asarray(bitmask).tobytes()

@@ -7,18 +7,14 @@ so it can free a request's slots without asking the model.
 
 from __future__ import annotations
 
-from array import array
+import numpy as np
 
-import torch
-
-
-def int64_tensor(values: list[int]) -> torch.Tensor:
-    """torch.tensor(values, dtype=torch.int64), built for the per-step path:
-    torch.tensor reads a list element by element, while an array's buffer is
-    taken whole (the tensor holds on to it)."""
-    if not values:
-        return torch.empty(0, dtype=torch.int64)
-    return torch.frombuffer(array("q", values), dtype=torch.int64)
+# The scheduler's slots, pages and table are numpy arrays, not torch tensors:
+# the process never computes on them, and without torch it starts with ~1.8 s
+# less CPU (torch's import), taken on 2 cores from the model process loading
+# beside it; an operation on a few elements also costs an array a fraction of
+# what it costs a tensor, every step.
+Slots = np.ndarray  # int64 KV slot ids
 
 
 def slots_taken(kv_len: int, n: int, page_size: int) -> int:
@@ -34,7 +30,7 @@ class PageAllocator:
     A request's tokens fill its pages in order, so its keys and values lie in
     runs of `page_size` consecutive slots: attention streams a run instead of
     fetching rows scattered over the pool (SGLang's --page-size, vLLM's block
-    size). A stack of page ids in one preallocated tensor: alloc takes the top
+    size). A stack of page ids in one preallocated array: alloc takes the top
     n, free pushes back, each a slice copy costing the pages moved.
 
     Freed pages are handed out again before pages never handed out (LIFO: the
@@ -50,7 +46,7 @@ class PageAllocator:
         self.page_size = page_size
         self.num_pages = num_slots // page_size
         self.size = self.num_pages * page_size  # slots in whole pages; a partial last page is unused
-        self.stack = torch.arange(self.num_pages, dtype=torch.int64)
+        self.stack = np.arange(self.num_pages, dtype=np.int64)
         self.num_free = self.num_pages
         self.untouched = self.num_pages  # stack[:untouched]: pages never handed out
 
@@ -66,27 +62,27 @@ class PageAllocator:
         """Slots of the pages ever handed out: the pool's resident part."""
         return (self.num_pages - self.untouched) * self.page_size
 
-    def alloc_pages(self, n: int) -> torch.Tensor | None:
+    def alloc_pages(self, n: int) -> Slots | None:
         """n page ids, or None if fewer are free: freed ones first, most recent first."""
         if n > self.num_free:
             return None
         self.num_free -= n
         self.untouched = min(self.untouched, self.num_free)
-        return self.stack[self.num_free:self.num_free + n].clone()  # frees overwrite the stack
+        return self.stack[self.num_free:self.num_free + n].copy()  # frees overwrite the stack
 
-    def first_slots(self, pages: torch.Tensor) -> torch.Tensor:
+    def first_slots(self, pages: Slots) -> Slots:
         return pages * self.page_size + 1
 
-    def free(self, slots: torch.Tensor) -> None:
+    def free(self, slots: Slots) -> None:
         """Give back the pages of a run of a request's positions that starts on
         a page boundary: every page_size-th slot, from the first, opens a page
         (the run's last page may be partly used)."""
-        starts = slots[::self.page_size].to(torch.int64) - 1
+        starts = slots[::self.page_size].astype(np.int64) - 1
         assert bool(((starts % self.page_size) == 0).all()), "freed slots do not start pages"
         self.free_pages(starts // self.page_size)
 
-    def free_pages(self, pages: torch.Tensor) -> None:
-        k = pages.numel()
+    def free_pages(self, pages: Slots) -> None:
+        k = pages.size
         if k:
             assert self.num_free + k <= self.num_pages, "more pages freed than the pool holds"
             self.stack[self.num_free:self.num_free + k] = pages
@@ -99,7 +95,7 @@ class ReqToTokenPool:
 
     def __init__(self, num_rows: int, context_len: int) -> None:
         self.num_rows = num_rows
-        self.req_to_token = torch.zeros(num_rows + 1, context_len, dtype=torch.int32)
+        self.req_to_token = np.zeros((num_rows + 1, context_len), dtype=np.int32)
         self.free_rows: list[int] = list(range(1, num_rows + 1))
 
     def available(self) -> int:

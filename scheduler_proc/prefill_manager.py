@@ -9,7 +9,7 @@ import time
 from collections import deque
 from typing import Literal
 
-import torch
+import numpy as np
 
 from common.server_args import ServerArgs
 from scheduler_proc.cache_manager import CacheManager
@@ -103,7 +103,7 @@ class PrefillManager:
     def _computed_in_batch(in_batch: RadixCache, admitted: Admitted) -> None:
         req = admitted.req
         n = req.kv_len + admitted.extend_len
-        in_batch.insert(req.fill_ids[:n], torch.zeros(n, dtype=torch.int64), req.cache_salt)
+        in_batch.insert(req.fill_ids[:n], np.zeros(n, dtype=np.int64), req.cache_salt)
 
     def _fitting_match(self, adder: PrefillAdder, req: Req,
                        match: PrefixMatch | None) -> PrefixMatch | None | Literal[False]:
@@ -145,7 +145,7 @@ class PrefillManager:
         logger.info(
             "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
             "#running-req: %d, #queue-req: %d",
-            len(batch), batch.input_ids.numel(), hit_tokens,
+            len(batch), len(batch.input_ids), hit_tokens,
             self.cache.token_usage(), num_running, len(self.queue.waiting))
         return batch
 

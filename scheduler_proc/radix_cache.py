@@ -33,7 +33,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
+import numpy as np
+
+from scheduler_proc.memory import Slots
 
 _clock = itertools.count()  # LRU order: a counter, not wall time (ties are impossible)
 
@@ -41,7 +43,7 @@ _clock = itertools.count()  # LRU order: a counter, not wall time (ties are impo
 @dataclass(eq=False)
 class TreeNode:
     key: list[int]
-    value: torch.Tensor  # int64 KV slots, one per key token
+    value: Slots  # int64 KV slots, one per key token
     parent: "TreeNode | None"
     children: dict[int | tuple[int, ...], "TreeNode"] = field(default_factory=dict)  # by first page
     lock_ref: int = 0  # running requests whose matched path goes through here
@@ -63,15 +65,15 @@ class PrefixMatch:
     than a page, the first rows of `copy_node`, a child of `node`), which a
     request can only take as a copy."""
 
-    slots: torch.Tensor
+    slots: Slots
     node: TreeNode
-    copy_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    copy_slots: Slots = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     copy_node: TreeNode | None = None
 
     @property
     def length(self) -> int:
         """Tokens matched: the shared pages' and the rows to copy."""
-        return int(self.slots.numel()) + int(self.copy_slots.numel())
+        return self.slots.size + self.copy_slots.size
 
     def without_copy(self) -> "PrefixMatch":
         """The shared pages alone (when the copy's page does not fit)."""
@@ -87,7 +89,7 @@ def _shared_len(a: list[int], b: list[int]) -> int:
 
 
 class RadixCache:
-    def __init__(self, free_slots: Callable[[torch.Tensor], None], page_size: int = 1) -> None:
+    def __init__(self, free_slots: Callable[[Slots], None], page_size: int = 1) -> None:
         self.free_slots = free_slots
         self.page_size = page_size
         self.roots: dict[str, TreeNode] = {}
@@ -97,7 +99,7 @@ class RadixCache:
     def root(self, salt: str) -> TreeNode:
         node = self.roots.get(salt)
         if node is None:
-            node = self.roots[salt] = TreeNode(key=[], value=torch.empty(0, dtype=torch.int64),
+            node = self.roots[salt] = TreeNode(key=[], value=np.empty(0, dtype=np.int64),
                                                parent=None, lock_ref=1)  # a root never leaves
         return node
 
@@ -124,7 +126,7 @@ class RadixCache:
         child holds (to copy; see PrefixMatch). A match that ends inside a
         node at a page boundary splits it, so the shared pages end on a node."""
         node = self.root(salt)
-        parts: list[torch.Tensor] = []
+        parts: list[Slots] = []
         pos = 0
         whole = self._whole_pages(len(key))
         while pos < whole:
@@ -138,7 +140,7 @@ class RadixCache:
             parts.append(child.value)
             node = child
             pos += n
-        slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        slots = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
         match = PrefixMatch(slots=slots, node=node)
         if self.page_size > 1 and pos < len(key):
             rest = key[pos:pos + self.page_size]
@@ -156,14 +158,14 @@ class RadixCache:
                 match.copy_node, match.copy_slots = best, best.value[:k]
         return match
 
-    def insert(self, key: list[int], slots: torch.Tensor, salt: str = "") -> int:
+    def insert(self, key: list[int], slots: Slots, salt: str = "") -> int:
         """Add `key` with its `slots`. Returns how many leading tokens were in
         the tree already: their slots in `slots` are duplicates that the caller
         still owns (and frees); the rest now belong to the tree (evictable).
         `key` starts on a page boundary; it may end inside a page (a finished
         request's last page), which then goes in as a partial leaf, unless a
         node already holds those rows (then all of it was there already)."""
-        assert len(key) == slots.numel()
+        assert len(key) == slots.size
         P = self.page_size
         node = self.root(salt)
         pos = 0
@@ -174,7 +176,7 @@ class RadixCache:
                 if len(rest) < P and self._holding(node, rest) is not None:
                     return len(key)
                 self._drop_superseded(node, rest)
-                new = TreeNode(key=list(rest), value=slots[pos:].clone(), parent=node)
+                new = TreeNode(key=list(rest), value=slots[pos:].copy(), parent=node)
                 node.children[self._child_key(key, pos)] = new
                 self.evictable_size += self._slots(new)
                 return pos
@@ -302,8 +304,8 @@ class RadixCache:
         mismatch, or None."""
         evictable = protected = 0
         for node in self._nodes():
-            if len(node) == 0 or len(node) != node.value.numel() or (len(node) % self.page_size and node.children):
-                return f"node with key length {len(node)} and {node.value.numel()} slots (page {self.page_size})"
+            if len(node) == 0 or len(node) != node.value.size or (len(node) % self.page_size and node.children):
+                return f"node with key length {len(node)} and {node.value.size} slots (page {self.page_size})"
             if node.lock_ref < sum(c.lock_ref for c in node.children.values()):
                 return "a node holds fewer locks than its children"
             if node.lock_ref:

@@ -2,8 +2,8 @@
 
 The running batch changes only through `filter_batch` (gather the live rows)
 and `merge_batch` (concatenate a just-prefilled batch). Per-row sampling state
-lives in tensors indexed by row, so both are one gather or one concatenation
-per field. A row's lengths are its request's (`Req.kv_len`, written by the
+lives in lists indexed by row, so both are one gather or one concatenation
+per field (lists: they go out as lists, and a batch has tens of rows). A row's lengths are its request's (`Req.kv_len`, written by the
 CacheManager alone); `prepare_for_extend` and `prepare_for_decode` have the
 cache manager allocate and advance them, and read this step's from the
 requests.
@@ -19,15 +19,15 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
+import numpy as np
 
 from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardMode, PenaltyInit
 from scheduler_proc.cache_manager import CacheManager
-from scheduler_proc.grammar import fill_bitmask, fill_draft_bitmask
+from scheduler_proc.grammar import fill_bitmask, fill_draft_bitmask, new_bitmask
 from scheduler_proc.req import Req
 from scheduler_proc.thinking_budget import allow_only
 
-# Per-row tensors that filter_batch gathers and merge_batch concatenates.
+# Per-row lists that filter_batch gathers and merge_batch concatenates.
 ROW_FIELDS = ("req_pool_indices", "temperatures", "top_ps", "top_ks", "min_ps", "seeds",
               "top_logprobs_nums")
 
@@ -41,13 +41,13 @@ class ScheduleBatch:
     reqs: list[Req]
     forward_mode: ForwardMode = ForwardMode.DECODE
     # one entry per row
-    req_pool_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    temperatures: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    top_ps: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    top_ks: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    min_ps: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    seeds: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    top_logprobs_nums: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    req_pool_indices: list[int] = field(default_factory=list)
+    temperatures: list[float] = field(default_factory=list)
+    top_ps: list[float] = field(default_factory=list)
+    top_ks: list[int] = field(default_factory=list)
+    min_ps: list[float] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)  # -1: none
+    top_logprobs_nums: list[int] = field(default_factory=list)
     return_logprob: bool = False  # some row wants logprobs
     has_penalties: bool = False  # some row uses penalties (else a step never looks for them)
     has_grammar: bool = False  # some row is constrained by a grammar
@@ -58,8 +58,8 @@ class ScheduleBatch:
     draft_lens: list[int] = field(default_factory=list)  # VERIFY: each row's drafts after its last token
     # VERIFY: the grammar rows' tokens (flat indices) and their masks, one per token
     draft_grammar: tuple[list[int], bytes] = ([], b"")
-    input_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    out_cache_loc: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    input_ids: list[int] = field(default_factory=list)
+    out_cache_loc: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     # rows whose prefix the cache manager rewrote: the model's table follows
     table_rows: list[int] = field(default_factory=list)
     table_lens: list[int] = field(default_factory=list)
@@ -79,13 +79,13 @@ class ScheduleBatch:
         sps = [r.sampling_params for r in reqs]
         return cls(
             reqs=list(reqs),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
-            temperatures=torch.tensor([sp.temperature for sp in sps], dtype=torch.float32),
-            top_ps=torch.tensor([sp.top_p for sp in sps], dtype=torch.float32),
-            top_ks=torch.tensor([sp.top_k for sp in sps], dtype=torch.int64),
-            min_ps=torch.tensor([sp.min_p for sp in sps], dtype=torch.float32),
-            seeds=torch.tensor([-1 if sp.seed is None else sp.seed for sp in sps], dtype=torch.int64),
-            top_logprobs_nums=torch.tensor([r.top_logprobs_num for r in reqs], dtype=torch.int64),
+            req_pool_indices=[r.req_pool_idx for r in reqs],
+            temperatures=[sp.temperature for sp in sps],
+            top_ps=[sp.top_p for sp in sps],
+            top_ks=[sp.top_k for sp in sps],
+            min_ps=[sp.min_p for sp in sps],
+            seeds=[-1 if sp.seed is None else sp.seed for sp in sps],
+            top_logprobs_nums=[r.top_logprobs_num for r in reqs],
             return_logprob=any(r.return_logprob for r in reqs),
             has_penalties=any(r.penalized for r in reqs),
             has_grammar=any(r.grammar is not None for r in reqs),
@@ -109,9 +109,9 @@ class ScheduleBatch:
         self.return_logprob = any(r.return_logprob for r in self.reqs)
         self.has_penalties = any(r.penalized for r in self.reqs)
         self.has_grammar = any(r.grammar is not None for r in self.reqs)
-        idx = torch.tensor(keep_indices, dtype=torch.int64)
         for name in ROW_FIELDS:
-            setattr(self, name, getattr(self, name).index_select(0, idx))
+            values = getattr(self, name)
+            setattr(self, name, [values[i] for i in keep_indices])
 
     def merge_batch(self, other: "ScheduleBatch") -> None:
         """Append the rows of `other` (a batch that has just been prefilled)."""
@@ -120,7 +120,7 @@ class ScheduleBatch:
         self.has_penalties = self.has_penalties or other.has_penalties
         self.has_grammar = self.has_grammar or other.has_grammar
         for name in ROW_FIELDS:
-            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     # ---- preparing one step ----------------------------------------------------------
 
@@ -140,9 +140,7 @@ class ScheduleBatch:
             raise OutOfKVSlots(f"cannot allocate {sum(extend_lens)} KV slots")
         self.out_cache_loc = locs
         self.seq_lens = [r.kv_len for r in self.reqs]
-        self.input_ids = torch.tensor(
-            [t for r, p, n in zip(self.reqs, self.prefix_lens, extend_lens) for t in r.fill_ids[p:p + n]],
-            dtype=torch.int64)
+        self.input_ids = [t for r, p, n in zip(self.reqs, self.prefix_lens, extend_lens) for t in r.fill_ids[p:p + n]]
         self.collect_table_rewrites(cache)
         self.kv_copy_src, self.kv_copy_dst = cache.take_kv_copies(self.reqs)
         self.window_pages = cache.take_window_pages()
@@ -155,7 +153,7 @@ class ScheduleBatch:
                 self.penalty_inits.append(r.penalty_init(i))
                 r.penalty_state_sent = True
         self.collect_input_logprobs(extend_lens)
-        self.req_pool_indices = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
+        self.req_pool_indices = [r.req_pool_idx for r in self.reqs]
 
     def collect_input_logprobs(self, extend_lens: list[int]) -> None:
         """The prompt positions this extend computes whose logprobs rows still
@@ -193,9 +191,8 @@ class ScheduleBatch:
         self.window_pages = cache.take_window_pages()
         self.out_cache_loc = locs
         self.seq_lens = [r.kv_len for r in self.reqs]
-        self.input_ids = torch.tensor(
-            [FUTURE_TOKEN if r.pending_tokens or not r.output_ids else r.output_ids[-1] for r in self.reqs],
-            dtype=torch.int64)
+        self.input_ids = [FUTURE_TOKEN if r.pending_tokens or not r.output_ids else r.output_ids[-1]
+                          for r in self.reqs]
 
     def prepare_for_verify(self, cache: CacheManager, drafts: list[list[int]]) -> None:
         """Speculative decoding: each row runs its last sampled token (at
@@ -218,8 +215,7 @@ class ScheduleBatch:
         self.window_pages = cache.take_window_pages()
         self.out_cache_loc = locs
         self.seq_lens = [r.kv_len for r in self.reqs]
-        self.input_ids = torch.tensor([t for r, d in zip(self.reqs, drafts) for t in (r.output_ids[-1], *d)],
-                                      dtype=torch.int64)
+        self.input_ids = [t for r, d in zip(self.reqs, drafts) for t in (r.output_ids[-1], *d)]
         # a grammar row's every token is sampled under its own mask (the drafts
         # passed its matcher); a forced thinking tag's row (no drafts) under its one token
         starts = list(itertools.accumulate((1 + n for n in self.draft_lens), initial=0))
@@ -237,8 +233,8 @@ class ScheduleBatch:
         self.decode_from = len(self.reqs)
         self.prefix_lens = self.prefix_lens + [n - 1 for n in running.seq_lens]
         self.seq_lens = self.seq_lens + running.seq_lens
-        self.input_ids = torch.cat([self.input_ids, running.input_ids])
-        self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])
+        self.input_ids = self.input_ids + running.input_ids
+        self.out_cache_loc = np.concatenate([self.out_cache_loc, running.out_cache_loc])
         self.table_rows = self.table_rows + running.table_rows
         self.table_lens = self.table_lens + running.table_lens
         self.table_slots = self.table_slots + running.table_slots
@@ -290,16 +286,15 @@ class ScheduleBatch:
         reqs = [self.reqs[i] for i in rows]
         if all(r.grammar is not None for r in reqs):
             return fill_bitmask([r.grammar for r in reqs])
-        # torch's tensor in xgrammar's layout: a forced row alone needs no xgrammar import
         vocab = next(r.thinking.vocab_size for r in reqs if r.thinking is not None)
-        bitmask = torch.full((len(reqs), (vocab + 31) // 32), -1, dtype=torch.int32)
+        bitmask = new_bitmask(len(reqs), vocab, for_grammar=any(r.grammar is not None for r in reqs))
         for i, r in enumerate(reqs):
             forced = r.thinking.forced_next if r.thinking is not None else None
             if forced is None:
                 r.grammar.matcher.fill_next_token_bitmask(bitmask, i)
             else:
                 allow_only(bitmask, i, forced)
-        return bitmask.numpy().tobytes()
+        return np.asarray(bitmask).tobytes()
 
     def draft_bitmask(self, rows: list[int], drafts: list[list[int]]) -> bytes:
         """A verify step's masks for its constrained rows, 1 + len(drafts[i])
@@ -311,8 +306,8 @@ class ScheduleBatch:
         # the model's logits width (a grammar's is the same: ReqGrammar's tokenizer info is built with it)
         vocab = next((r.thinking.vocab_size for r in reqs if r.thinking is not None), None) \
             or reqs[0].grammar.vocab_size
-        # xgrammar's layout (a torch int32 tensor, every token allowed to start with)
-        bitmask = torch.full((sum(1 + len(drafts[i]) for i in rows), (vocab + 31) // 32), -1, dtype=torch.int32)
+        bitmask = new_bitmask(sum(1 + len(drafts[i]) for i in rows), vocab,
+                              for_grammar=any(r.grammar is not None for r in reqs))
         at = 0
         for i, r in zip(rows, reqs):
             if r.grammar is not None:
@@ -321,7 +316,7 @@ class ScheduleBatch:
                 assert not drafts[i], "a forced thinking tag's row drafts nothing (ThinkingBudget.draft_room)"
                 allow_only(bitmask, at, r.thinking.forced_next)
             at += 1 + len(drafts[i])
-        return bitmask.numpy().tobytes()
+        return np.asarray(bitmask).tobytes()
 
     def to_forward_batch(self) -> ForwardBatch:
         seq_lens = self.seq_lens
@@ -335,19 +330,19 @@ class ScheduleBatch:
         return ForwardBatch(
             forward_mode=ForwardMode.MIXED if mixed else self.forward_mode,
             decode_rows=decode_rows if mixed else 0,
-            req_pool_indices=self.req_pool_indices.tolist(),
+            req_pool_indices=self.req_pool_indices,
             seq_lens=seq_lens,
             prefix_lens=self.prefix_lens,
-            input_ids=self.input_ids.tolist(),
+            input_ids=self.input_ids,
             out_cache_loc=self.out_cache_loc.tolist(),
-            temperatures=self.temperatures.tolist(),
-            top_ps=self.top_ps.tolist(),
-            top_ks=self.top_ks.tolist(),
-            min_ps=self.min_ps.tolist(),
-            seeds=self.seeds.tolist(),
+            temperatures=self.temperatures,
+            top_ps=self.top_ps,
+            top_ks=self.top_ks,
+            min_ps=self.min_ps,
+            seeds=self.seeds,
             sample_steps=[len(r.output_ids) + r.pending_tokens for r in self.reqs],
             return_logprob=self.return_logprob,
-            top_logprobs_nums=self.top_logprobs_nums.tolist() if self.return_logprob else [],
+            top_logprobs_nums=self.top_logprobs_nums if self.return_logprob else [],
             table_rows=self.table_rows, table_lens=self.table_lens, table_slots=self.table_slots,
             kv_copy_src=self.kv_copy_src, kv_copy_dst=self.kv_copy_dst, window_pages=self.window_pages,
             penalty_rows=self.penalty_rows(seq_lens), penalty_inits=self.penalty_inits,

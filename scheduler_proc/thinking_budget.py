@@ -104,6 +104,6 @@ class ThinkingBudget:
 def allow_only(bitmask, row: int, token: int) -> None:
     """In an xgrammar bitmask (ForwardBatch.grammar_bitmask's layout: int32
     words, bit t % 32 of word t // 32 for token t), row `row` allows `token` alone."""
-    bitmask[row].zero_()
+    bitmask[row] = 0
     bit = token % 32
     bitmask[row, token // 32] = (1 << bit) if bit < 31 else -(1 << 31)  # int32: bit 31 is the sign

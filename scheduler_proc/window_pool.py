@@ -21,9 +21,9 @@ window pages of its last window - 1 tokens are still held (CacheManager.match).
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
-from scheduler_proc.memory import PageAllocator
+from scheduler_proc.memory import PageAllocator, Slots
 
 
 class WindowPool:
@@ -35,7 +35,7 @@ class WindowPool:
         self.size = self.allocator.size
         self.page_size = page_size
         self.window = window
-        self.page_of = torch.full((full_pages,), -1, dtype=torch.int64)  # full page -> its window page
+        self.page_of = np.full(full_pages, -1, dtype=np.int64)  # full page -> its window page
         self.pending: list[int] = []  # (full page, window page) pairs made since the last step was sent
 
     def available(self) -> int:
@@ -46,30 +46,30 @@ class WindowPool:
         """Slots of the window pages paired with a full page."""
         return int((self.page_of >= 0).sum()) * self.page_size
 
-    def pair(self, full_pages: torch.Tensor) -> bool:
+    def pair(self, full_pages: Slots) -> bool:
         """A window page for each of `full_pages` (just handed out); False,
         and nothing changes, if this pool has too few free."""
-        pages = self.allocator.alloc_pages(full_pages.numel())
+        pages = self.allocator.alloc_pages(full_pages.size)
         if pages is None:
             return False
         self.page_of[full_pages] = pages
-        self.pending += torch.stack([full_pages, pages], 1).view(-1).tolist()
+        self.pending += np.stack([full_pages, pages], 1).reshape(-1).tolist()
         return True
 
-    def release(self, full_slots: torch.Tensor) -> None:
+    def release(self, full_slots: Slots) -> None:
         """Undo the pairs of the full pages holding `full_slots` (any slots;
         pages already unpaired are skipped)."""
-        if not full_slots.numel():
+        if not full_slots.size:
             return
-        pages = torch.unique((full_slots.long() - 1) // self.page_size)
+        pages = np.unique((full_slots.astype(np.int64) - 1) // self.page_size)
         held = pages[self.page_of[pages] >= 0]
-        if held.numel():
+        if held.size:
             self.allocator.free_pages(self.page_of[held])
             self.page_of[held] = -1
 
-    def held(self, full_slots: torch.Tensor) -> torch.Tensor:
+    def held(self, full_slots: Slots) -> np.ndarray:
         """Per slot: whether its page still has its window page (bool)."""
-        return self.page_of[(full_slots.long() - 1) // self.page_size] >= 0
+        return self.page_of[(full_slots.astype(np.int64) - 1) // self.page_size] >= 0
 
     def take_pending(self) -> list[int]:
         """The pairs made since the last call, flattened (full page, window
@@ -78,14 +78,14 @@ class WindowPool:
         return pending
 
 
-def usable_prefix(held: torch.Tensor, window: int, page_size: int) -> int:
+def usable_prefix(held: np.ndarray, window: int, page_size: int) -> int:
     """The longest prefix length n' <= n = len(held) that a request can start
     from: the sliding layers of its first new token (position n') see keys
     n' - window + 1 .. n' - 1, so those must still be held. n' is n itself or
     a page boundary (held is constant inside a page)."""
-    n = held.numel()
-    absent = (~held).nonzero().view(-1)
-    while absent.numel() and int(absent[-1]) >= n - window + 1:
+    n = held.size
+    absent = np.flatnonzero(~held)
+    while absent.size and int(absent[-1]) >= n - window + 1:
         a = int(absent[-1])
         n = a - a % page_size  # no key of the shorter prefix lies in the missing page
         absent = absent[absent < n]

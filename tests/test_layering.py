@@ -136,3 +136,20 @@ def test_no_upward_or_cross_import() -> None:
 def test_no_import_cycle() -> None:
     found = cycles(import_graph())
     assert not found, "import cycles:\n  " + "\n  ".join(" -> ".join(c) for c in found)
+
+
+def test_the_scheduler_process_loads_no_torch() -> None:
+    """The scheduler keeps accounts (slots, pages, its copy of the table) in
+    numpy and lists: every module of scheduler_proc imported, torch is not
+    loaded (its ~2 s of import CPU would be taken, on 2 cores, from the model
+    process loading beside it at every server start). xgrammar, which loads
+    torch, is imported only by a grammar's first use."""
+    import subprocess
+    import sys
+
+    code = ("import pkgutil, importlib, sys, scheduler_proc\n"
+            "for m in pkgutil.walk_packages(scheduler_proc.__path__, 'scheduler_proc.'):\n"
+            "    importlib.import_module(m.name)\n"
+            "print(sorted(n for n in ('torch', 'xgrammar', 'transformers') if n in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

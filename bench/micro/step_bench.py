@@ -42,7 +42,11 @@ one more):
   window can hold the last prefill). The model process's own line (debug
   level, model_proc/step_stats.py) gives the forward time of the same steps:
   1 - forward / step is the share of wall time outside the forward
-  (scheduler, IPC). Cases with B x C above `--server-max-tokens` are skipped:
+  (scheduler, IPC). Each process's CPU time (/proc, user + system) over
+  the case, divided by its NEW_TOKENS - 1 = 139 decode steps, is the row's
+  "CPU ms/step" (its prefill counted in): on 2 cores the scheduler's and
+  the front end's CPU is taken from the model's threads.
+  Cases with B x C above `--server-max-tokens` are skipped:
   their prefill alone would take minutes on a CPU. With `--tp-size N` the
   server runs N tensor-parallel model ranks (gloo on a CPU; the default model's
   9 heads allow 1, 3 or 9), and its rows are stored as their own cases (the
@@ -68,7 +72,7 @@ Prints the table, records the run (bench/results/latest/step_bench.json, from
 which bench/RESULTS.md is rendered again) and writes the rows to
 bench/results/step_bench.json: model, dtype, batch, context, what, ms_per_step,
 floor_ms, ratio_to_floor (forward rows add attention_ms, server rows
-forward_ms and outside_forward_share). A row replaces an earlier one of the
+forward_ms, outside_forward_share and cpu_ms_per_step by process). A row replaces an earlier one of the
 same case (model included; rows from before the field are the default
 model's); the others are kept, so a subset can be rerun.
 Timed steps: the median (or with `--stat min`, the best) of `--steps` after 2
@@ -403,6 +407,28 @@ def parse_server_log(lines: list[str], batch: int, stat: str) -> dict:
     return out
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name: state is field 0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# the server's processes whose CPU a server row reports, by their module
+SERVER_PROCS = {"model_proc": "model", "scheduler_proc": "scheduler", "tokenizer_proc": "front end"}
+
+
+def server_processes(child_pids: list[int]) -> dict[str, int]:
+    from tests.e2e.server_process import cmdline
+
+    found = {}
+    for pid in child_pids:
+        for module, name in SERVER_PROCS.items():
+            if f"-m {module}" in cmdline(pid):
+                found[name] = pid
+    return found
+
+
 def bench_server(dtype: str, cases: list[tuple[int, int]], stat: str, max_tokens: int, vocab: int,
                  extra_flags: tuple[str, ...] = (), label: str = "server",
                  page: int = SERVER_PAGE_SIZE, model_path: str = "") -> dict:
@@ -426,18 +452,26 @@ def bench_server(dtype: str, cases: list[tuple[int, int]], stat: str, max_tokens
         "--context-length", str(max(c for _, c in runnable) - PROMPT_SHORT + NEW_TOKENS + 8),
         "--chunked-prefill-size", "4096", "--page-size", str(page), "--log-level", "debug", *extra_flags,
         startup_timeout=600)
+    procs = server_processes(server.child_pids)
     rng = random.Random(0)
     try:
         for b, c in runnable:
             prompts = [[rng.randrange(3, vocab) for _ in range(c - PROMPT_SHORT)] for _ in range(b)]
             first_line = len(server.log)
             start = time.perf_counter()
+            cpu_before = {name: process_cpu_s(pid) for name, pid in procs.items()}
             with concurrent.futures.ThreadPoolExecutor(max_workers=b) as pool_:
                 list(pool_.map(lambda p: generate(server.url, p), prompts))
             out[(b, c)] = parse_server_log(server.log[first_line:], b, stat)
             res = out[(b, c)]
-            shown = (f"{res['ms']:8.1f} ms, outside forward {res.get('outside_forward_share', float('nan')):.1%}"
-                     if "ms" in res else res["skipped"])
+            # each process's CPU over the case per decode step: the b requests decode
+            # NEW_TOKENS - 1 steps together (their prefill's CPU is counted in too); on
+            # a machine with few cores the other processes' CPU is taken from the model's
+            res["cpu_ms_per_step"] = {name: 1e3 * (process_cpu_s(pid) - cpu_before[name]) / (NEW_TOKENS - 1)
+                                      for name, pid in procs.items()}
+            cpu = ", ".join(f"{name} {ms:.2f}" for name, ms in res["cpu_ms_per_step"].items())
+            shown = (f"{res['ms']:8.1f} ms, outside forward {res.get('outside_forward_share', float('nan')):.1%}, "
+                     f"CPU ms/step: {cpu}" if "ms" in res else res["skipped"])
             print(f"  {label:12s} {dtype:8s} batch {b:3d} context {c:4d}: {shown} "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
     finally:
@@ -461,6 +495,7 @@ def report(command: str, models: list[BenchModel], floors: dict[str, Floor], res
            tp_size: int = 1, page_size: int = SERVER_PAGE_SIZE) -> str:
     header = ["model", "dtype", "batch", "context", "floor ms (mem / compute)", "forward ms (x floor)",
               "of which attention ms", "server ms (x floor)", "outside forward",
+              "server CPU ms/step: model / scheduler / front end",
               "server, no overlap ms (x floor)", "outside forward, no overlap", "transformers ms (x floor)",
               "forward / transformers"]
     rows = []
@@ -474,9 +509,11 @@ def report(command: str, models: list[BenchModel], floors: dict[str, Floor], res
                 share, share_plain = (f"{r['outside_forward_share']:.1%}" if r and "outside_forward_share" in r
                                       else "-" for r in (sv, sp))
                 vs = f"{fw['ms'] / hf['ms']:.2f}" if fw and hf and "ms" in fw and "ms" in hf else "-"
+                cpu = " / ".join(f"{sv['cpu_ms_per_step'][n]:.2f}" for n in SERVER_PROCS.values()) \
+                    if sv and "cpu_ms_per_step" in sv else "-"
                 attn = f"{fw['attention_ms']:.1f}" if fw and "attention_ms" in fw else "-"
                 rows.append([m.label, dt, str(b), str(c), f"{f:.1f} ({mem:.1f} / {comp:.1f})", cell(fw, f), attn,
-                             cell(sv, f), share, cell(sp, f), share_plain, cell(hf, f), vs])
+                             cell(sv, f), share, cpu, cell(sp, f), share_plain, cell(hf, f), vs])
     table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                       + ["| " + " | ".join(r) + " |" for r in rows])
     rates = ", ".join(f"{dt} {next(iter(floors.values())).rates[dt] / 1e9:.0f} GFLOP/s" for dt in dtypes)
@@ -513,6 +550,8 @@ def json_rows(results: dict[Case, dict], floors: dict[str, Floor], tp_size: int 
         for key in ("attention_ms", "forward_ms", "outside_forward_share"):
             if key in res:
                 row[key] = round(res[key], 4)
+        if "cpu_ms_per_step" in res:
+            row["cpu_ms_per_step"] = {name: round(ms, 3) for name, ms in res["cpu_ms_per_step"].items()}
         if case.what.startswith("server") and tp_size > 1:
             row["tp_size"] = tp_size
         rows.append(row)

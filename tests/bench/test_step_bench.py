@@ -56,6 +56,31 @@ def test_the_floor_of_a_sliding_model_reads_only_the_window_of_its_sliding_layer
     assert windowed.parts_ms("float32", 2, 10)[0] < full.parts_ms("float32", 2, 10)[0]
 
 
+def test_a_process_cpu_time_is_read_from_proc_as_the_process_counts_it():
+    import time
+
+    start = time.process_time()
+    while time.process_time() - start < 0.2:  # busy: CPU time to read
+        pass
+    # /proc counts in clock ticks (10 ms); process_time() in nanoseconds
+    assert abs(step_bench.process_cpu_s(os.getpid()) - time.process_time()) < 0.05
+
+
+def test_a_server_row_reports_each_process_cpu_per_step(tmp_path, monkeypatch):
+    floor = step_bench.Floor(CFG, bandwidth=1e9, rates={"float32": 1e9})
+    model = step_bench.BenchModel("m", "m", "m", CFG)
+    res = {"ms": 12.0, "forward_ms": 11.0, "outside_forward_share": 0.05,
+           "cpu_ms_per_step": {"model": 23.5, "scheduler": 0.81, "front end": 0.234}}
+    text = step_bench.report("cmd", [model], {"m": floor}, {Case("m", "float32", "server", 1, 8): res},
+                             ["float32"], [(1, 8)], "median", (0.5, 0.5), 60.0)
+    row = next(line.split(" | ") for line in text.splitlines() if line.startswith("| m | float32 |"))
+    assert row[9] == "23.50 / 0.81 / 0.23"  # server CPU ms/step: model / scheduler / front end
+    monkeypatch.setattr(step_bench, "RESULTS_JSON", str(tmp_path / "step_bench.json"))
+    step_bench.write_json(step_bench.json_rows({Case("m", "float32", "server", 1, 8): res}, {"m": floor}))
+    row = json.loads((tmp_path / "step_bench.json").read_text())[0]
+    assert row["cpu_ms_per_step"] == {"model": 23.5, "scheduler": 0.81, "front end": 0.234}
+
+
 def test_json_rows_replace_only_their_own_cases(tmp_path, monkeypatch):
     path = tmp_path / "step_bench.json"
     monkeypatch.setattr(step_bench, "RESULTS_JSON", str(path))
@@ -100,7 +125,7 @@ def test_a_small_real_run_prints_forward_and_transformers_against_the_floor(defa
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith(f"| {label} | float32 |")]
     assert [r[2:4] for r in rows] == [["1", "8"], ["2", "8"]]
     for r in rows:
-        floor, forward, transformers, ratio = r[4], r[5], r[11], r[12].rstrip(" |")
+        floor, forward, transformers, ratio = r[4], r[5], r[12], r[13].rstrip(" |")
         assert float(floor.split()[0]) > 0
         assert "x)" in forward and "x)" in transformers  # "ms (ratio x)" cells
         assert float(ratio) > 0
@@ -119,7 +144,7 @@ def test_a_sliding_model_steps_through_its_window_pool(default_model_dir, given_
     rows = {r[3]: r for r in (line.split(" | ") for line in out.splitlines()) if r[0] == "| mistral"}
     assert set(rows) == {"64", "160"}
     assert all("x)" in r[5] for r in rows.values())  # forward
-    assert "x)" in rows["64"][11] and rows["160"][11] == "skipped"  # transformers
+    assert "x)" in rows["64"][12] and rows["160"][12] == "skipped"  # transformers
     assert "mistral: mistral, 2 layers (2 sliding, window 128)" in out
 
 

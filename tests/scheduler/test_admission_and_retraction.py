@@ -9,7 +9,7 @@ import time
 from collections import deque
 
 import pytest
-import torch
+import numpy as np
 
 from common.messages import SamplingParams
 from scheduler_proc.kv_invariant import check_kv_invariant
@@ -160,7 +160,7 @@ def test_chunked_prefill_splits_a_long_prompt_and_keeps_it_out_of_the_running_ba
     kinds = []
     for _ in range(10):
         b = h.sched.step()
-        kinds.append((b.forward_mode, [r.rid for r in b.reqs], b.input_ids.numel()))
+        kinds.append((b.forward_mode, [r.rid for r in b.reqs], len(b.input_ids)))
     # chunks of 16, 16, 16, 2 alternate with decode steps of "short" alone
     assert kinds[:8] == [
         ("extend", ["long"], 16), ("decode", ["short"], 1),
@@ -204,8 +204,8 @@ def _req(rid: str, prompt: list[int]) -> Req:
 
 def test_lpm_puts_the_requests_with_the_longest_cache_hit_first():
     cache = RadixCache(lambda slots: None)
-    cache.insert([1, 2, 3, 4, 5, 6], torch.arange(1, 7))
-    cache.insert([7, 7, 7], torch.arange(7, 10))
+    cache.insert([1, 2, 3, 4, 5, 6], np.arange(1, 7))
+    cache.insert([7, 7, 7], np.arange(7, 10))
 
     def cached_len(r: Req) -> int:
         return cache.match_prefix(r.origin_input_ids[:-1]).length
@@ -222,7 +222,7 @@ def test_lpm_puts_the_requests_with_the_longest_cache_hit_first():
 
 def test_lpm_never_passes_over_a_request_for_longer_than_its_bound():
     cache = RadixCache(lambda slots: None)
-    cache.insert([1, 2, 3, 4], torch.arange(1, 5))
+    cache.insert([1, 2, 3, 4], np.arange(1, 5))
 
     def cached_len(r: Req) -> int:
         return cache.match_prefix(r.origin_input_ids[:-1]).length

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import random
 
-import torch
+import numpy as np
 
 from scheduler_proc.memory import PageAllocator
 from tests.scheduler.test_prefix_cache import CacheHarness
 from tests.scheduler.test_scheduler import assert_no_leak
 
 
-def pages_of(alloc: PageAllocator, pages: torch.Tensor) -> torch.Tensor:
+def pages_of(alloc: PageAllocator, pages: np.ndarray) -> np.ndarray:
     """Every slot of the given pages, as a request's run of positions."""
-    return (alloc.first_slots(pages).view(-1, 1) + torch.arange(alloc.page_size)).view(-1)
+    return (alloc.first_slots(pages).reshape(-1, 1) + np.arange(alloc.page_size)).reshape(-1)
 
 
 def test_alloc_after_free_returns_the_pages_just_freed_most_recent_first():
@@ -30,13 +30,13 @@ def test_alloc_after_free_returns_the_pages_just_freed_most_recent_first():
     assert alloc.alloc_pages(3).tolist() == a.tolist()
     assert alloc.reusable_pages() == 0 and alloc.touched_slots() == 9 * 16
     fresh = alloc.alloc_pages(1)
-    assert int(fresh) not in a.tolist() + b.tolist() and alloc.touched_slots() == 10 * 16
+    assert int(fresh[0]) not in a.tolist() + b.tolist() and alloc.touched_slots() == 10 * 16
 
 
 def test_random_alloc_and_free_touch_no_more_pages_than_the_peak_held():
     rng = random.Random(0)
     alloc = PageAllocator(16 * 1000, 16)
-    held: list[torch.Tensor] = []
+    held: list[np.ndarray] = []
     peak = 0
     for _ in range(3000):
         if len(held) >= 12 or (held and rng.random() < 0.5):
@@ -45,7 +45,7 @@ def test_random_alloc_and_free_touch_no_more_pages_than_the_peak_held():
             pages = alloc.alloc_pages(rng.randint(1, 4))
             assert pages is not None
             held.append(pages)
-        peak = max(peak, sum(p.numel() for p in held))
+        peak = max(peak, sum(p.size for p in held))
     assert alloc.touched_slots() == peak * 16  # never a fresh page while a freed one waits
     assert peak < 100  # and the load stayed small against the pool of 1000 pages
 

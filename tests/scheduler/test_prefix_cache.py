@@ -75,7 +75,7 @@ def test_a_second_request_with_the_same_prefix_computes_only_its_own_tokens():
     h.submit("b", SYSTEM + [7, 8], max_new=4)
     batch = h.step()
     assert batch.forward_mode == "extend" and batch.prefix_lens == [64]
-    assert batch.input_ids.tolist() == [7, 8]  # only what the cache did not hold
+    assert batch.input_ids == [7, 8]  # only what the cache did not hold
     h.run_until_idle()
     assert h.field("a", "cached_tokens") == 0
     assert h.field("b", "cached_tokens") == 64
@@ -106,7 +106,7 @@ def test_the_whole_prompt_is_never_matched_the_last_token_is_computed():
     h.run_until_idle()
     h.submit("b", SYSTEM, max_new=3)
     batch = h.step()
-    assert batch.prefix_lens == [63] and batch.input_ids.tolist() == [SYSTEM[-1]]
+    assert batch.prefix_lens == [63] and batch.input_ids == [SYSTEM[-1]]
     h.run_until_idle()
     assert h.tokens("a") == h.tokens("b")
     assert_no_leak(h.sched)
@@ -354,7 +354,7 @@ def test_with_pages_of_16_a_repeated_prompt_reuses_all_but_its_last_token(overla
     h.submit("b", prompt, max_new=5)
     batch = h.step()
     rows = (length - 1) % 16
-    assert batch.prefix_lens == [length - 1] and batch.input_ids.tolist() == [prompt[-1]]
+    assert batch.prefix_lens == [length - 1] and batch.input_ids == [prompt[-1]]
     assert len(batch.kv_copy_src) == rows and len(batch.kv_copy_dst) == rows
     h.run_until_idle()
     assert h.field("b", "cached_tokens") == length - 1

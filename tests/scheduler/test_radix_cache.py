@@ -5,20 +5,20 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
+import numpy as np
 
 from scheduler_proc.radix_cache import RadixCache
 
 
-def slots(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int64)
+def slots(*xs: int) -> np.ndarray:
+    return np.array(xs, dtype=np.int64)
 
 
 class FreeList:
     def __init__(self) -> None:
         self.freed: list[int] = []
 
-    def __call__(self, t: torch.Tensor) -> None:
+    def __call__(self, t: np.ndarray) -> None:
         self.freed.extend(t.tolist())
 
 
@@ -127,7 +127,7 @@ def test_random_inserts_matches_locks_and_evictions_keep_the_accounts(page_size)
                 owned.update((s - 1) // P for s in new[had:].tolist())
             elif op < 0.7:
                 m = tree.match_prefix(key)
-                assert m.slots.numel() % P == 0 and m.copy_slots.numel() < P
+                assert m.slots.size % P == 0 and m.copy_slots.size < P
                 assert m.copy_node is None or m.copy_node.parent is m.node
                 for i, s in enumerate(m.slots.tolist() + m.copy_slots.tolist()):
                     assert holds[s] == tuple(key[:i + 1])
@@ -159,7 +159,7 @@ def test_with_pages_shared_pages_end_at_a_page_boundary_and_the_next_rows_are_na
     m = tree.match_prefix([1, 2, 3, 4, 5])  # ends inside the last page
     assert m.slots.tolist() == [11, 12, 13, 14] and m.copy_slots.tolist() == [15] and m.length == 5
     m = tree.match_prefix([1])
-    assert m.slots.numel() == 0 and m.copy_slots.tolist() == [11] and m.copy_node.key == [1, 2]
+    assert m.slots.size == 0 and m.copy_slots.tolist() == [11] and m.copy_node.key == [1, 2]
     assert tree.match_prefix([2]).length == 0
     assert tree.check() is None
 

@@ -1,5 +1,5 @@
 import pytest
-import torch
+import numpy as np
 
 from common.messages import AbortKind, SamplingParams
 from scheduler_proc.cache_manager import CacheManager
@@ -33,7 +33,7 @@ def test_prepare_for_extend_writes_table_and_allocates_each_new_token_once():
     cache = new_cache()
     reqs = [make_req("a", 3), make_req("b", 5)]
     batch = prefilled_batch(reqs, cache)
-    assert batch.input_ids.tolist() == list(range(10, 13)) + list(range(10, 15))
+    assert batch.input_ids == list(range(10, 13)) + list(range(10, 15))
     assert batch.seq_lens == [3, 5] and [r.kv_len for r in reqs] == [3, 5]
     locs = batch.out_cache_loc
     assert len(set(locs.tolist())) == 8 and 0 not in locs.tolist()
@@ -43,18 +43,18 @@ def test_prepare_for_extend_writes_table_and_allocates_each_new_token_once():
     assert table[reqs[1].req_pool_idx, :5].tolist() == locs[3:].tolist()
 
 
-def test_filter_batch_gathers_the_live_rows_of_every_tensor():
+def test_filter_batch_gathers_the_live_rows_of_every_row_field():
     cache = new_cache()
     reqs = [make_req("a", 3, 0.5, 11), make_req("b", 5, 0.7, None), make_req("c", 2, 0.9, 13)]
     batch = prefilled_batch(reqs, cache)
-    before = {name: getattr(batch, name).clone() for name in ROW_FIELDS}
+    before = {name: list(getattr(batch, name)) for name in ROW_FIELDS}
     reqs[1].abort(AbortKind.CLIENT_GONE, "gone")
     batch.filter_batch()
     assert [r.rid for r in batch.reqs] == ["a", "c"]
     for name in ROW_FIELDS:
-        assert torch.equal(getattr(batch, name), before[name][[0, 2]]), name
-    assert batch.temperatures.tolist() == [0.5, 0.8999999761581421]
-    assert batch.seeds.tolist() == [11, 13]
+        assert getattr(batch, name) == [before[name][0], before[name][2]], name
+    assert batch.temperatures == [0.5, 0.9]
+    assert batch.seeds == [11, 13]
 
 
 def test_filter_batch_with_explicit_indices_reorders():
@@ -72,10 +72,10 @@ def test_merge_batch_concatenates_rows_in_order():
     running.merge_batch(new)
     assert [r.rid for r in running.reqs] == ["a", "b", "c"]
     assert [r.kv_len for r in running.reqs] == [3, 5, 2]
-    assert running.seeds.tolist() == [1, 2, 3]
-    assert running.req_pool_indices.tolist() == [r.req_pool_idx for r in running.reqs]
+    assert running.seeds == [1, 2, 3]
+    assert running.req_pool_indices == [r.req_pool_idx for r in running.reqs]
     for name in ROW_FIELDS:
-        assert getattr(running, name).shape[0] == 3
+        assert len(getattr(running, name)) == 3
 
 
 def test_prepare_for_decode_gives_each_row_one_slot_at_its_next_position():
@@ -84,7 +84,7 @@ def test_prepare_for_decode_gives_each_row_one_slot_at_its_next_position():
     batch = prefilled_batch(reqs, cache)
     batch.prepare_for_decode(cache)
     assert batch.forward_mode == "decode"
-    assert batch.input_ids.tolist() == [7, 7]
+    assert batch.input_ids == [7, 7]
     assert batch.seq_lens == [4, 6] and [r.kv_len for r in reqs] == [4, 6]
     table = cache.table
     assert table[reqs[0].req_pool_idx, 3].item() == batch.out_cache_loc[0].item()
@@ -113,7 +113,7 @@ def test_freeing_a_run_that_does_not_start_a_page_is_refused():
     alloc = PageAllocator(16, page_size=4)
     first = int(alloc.first_slots(alloc.alloc_pages(1))[0])
     with pytest.raises(AssertionError, match="do not start pages"):
-        alloc.free(torch.arange(first + 1, first + 4))
+        alloc.free(np.arange(first + 1, first + 4))
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -127,19 +127,19 @@ def test_allocator_moves_only_the_pages_it_hands_out_or_takes_back(page_size: in
 
     rng = random.Random(0)
     alloc = PageAllocator(1000, page_size)
-    storage = alloc.stack.data_ptr()
-    held: list[torch.Tensor] = []  # slots of whole pages, in page order
+    storage = alloc.stack.ctypes.data
+    held: list[np.ndarray] = []  # slots of whole pages, in page order
     for _ in range(2000):
         if held and (rng.random() < 0.5 or alloc.available() == 0):
             run = held.pop(rng.randrange(len(held)))
-            alloc.free(run[:max(1, run.numel() - rng.randrange(page_size))])  # a partly used last page
+            alloc.free(run[:max(1, run.size - rng.randrange(page_size))])  # a partly used last page
         else:
             got = alloc.alloc_pages(rng.randint(1, min(50 // page_size, alloc.available() // page_size)))
             assert got is not None
-            held.append((alloc.first_slots(got).view(-1, 1) + torch.arange(page_size)).view(-1))
+            held.append((alloc.first_slots(got).reshape(-1, 1) + np.arange(page_size)).reshape(-1))
         out = sorted(t for h in held for t in h.tolist())
         assert len(out) + alloc.available() == 1000 and len(set(out)) == len(out)
-    assert alloc.stack.data_ptr() == storage
+    assert alloc.stack.ctypes.data == storage
     for h in held:
         alloc.free(h)
     assert sorted(alloc.stack.tolist()) == list(range(1000 // page_size))
@@ -184,7 +184,7 @@ def test_with_pages_a_running_request_caches_whole_pages_and_a_finished_one_its_
     assert cache.tree.evictable_size == 12 and cache.allocator.available() == 64 - 12
     again = make_req("b", 10)
     match = cache.match(again)  # all but the last token: 8 shared, 1 row to copy
-    assert match.length == 9 and match.slots.numel() == 8 and match.copy_slots.numel() == 1
+    assert match.length == 9 and match.slots.size == 8 and match.copy_slots.size == 1
     assert check_kv_invariant(cache) is None
 
 

@@ -120,7 +120,7 @@ class _AllowEven:
 def test_a_forced_row_and_a_grammar_row_share_one_bitmask() -> None:
     import types
 
-    import torch
+    import numpy as np
 
     from scheduler_proc.req import Req
     from scheduler_proc.schedule_batch import ScheduleBatch
@@ -131,20 +131,22 @@ def test_a_forced_row_and_a_grammar_row_share_one_bitmask() -> None:
     grammar, forced = req("g"), req("f")
     grammar.grammar = types.SimpleNamespace(matcher=_AllowEven())
     forced.thinking = _spec_budget(0)  # spent at once: forces END[0]
-    words = torch.frombuffer(bytearray(ScheduleBatch.init_new([grammar, forced]).constraint_bitmask([0, 1])),
-                             dtype=torch.int32).view(2, -1)
+    words = np.frombuffer(ScheduleBatch.init_new([grammar, forced]).constraint_bitmask([0, 1]),
+                          dtype=np.int32).reshape(2, -1)
     assert words.shape == (2, 16)  # 512 tokens
     assert (words[0] == 0x55555555).all()
-    allowed = [t for t in range(512) if words[1, t // 32].item() >> (t % 32) & 1]
+    allowed = [t for t in range(512) if int(words[1, t // 32]) >> (t % 32) & 1]
     assert allowed == [END[0]]
 
 
+@pytest.mark.parametrize("array", ["numpy", "torch"])  # a forced row alone; beside xgrammar's rows
 @pytest.mark.parametrize("token", [0, 30, 31, 32, 511])
-def test_allow_only_sets_the_one_bit_of_the_token_sign_bit_included(token: int) -> None:
+def test_allow_only_sets_the_one_bit_of_the_token_sign_bit_included(token: int, array: str) -> None:
+    import numpy as np
     import torch
 
     from scheduler_proc.thinking_budget import allow_only
 
-    bitmask = torch.full((1, 16), -1, dtype=torch.int32)
+    bitmask = np.full((1, 16), -1, dtype=np.int32) if array == "numpy" else torch.full((1, 16), -1, dtype=torch.int32)
     allow_only(bitmask, 0, token)
-    assert [t for t in range(512) if bitmask[0, t // 32].item() >> (t % 32) & 1] == [token]
+    assert [t for t in range(512) if int(bitmask[0, t // 32]) >> (t % 32) & 1] == [token]

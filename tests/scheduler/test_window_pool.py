@@ -5,7 +5,7 @@ when the window before its end is held."""
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from common.messages import SamplingParams
 from scheduler_proc.cache_manager import CacheManager
@@ -29,7 +29,7 @@ def new_cache(window_slots: int = 64) -> CacheManager:
 def held_by(cache: CacheManager, req: Req) -> int:
     """Window slots paired with the request's own pages."""
     pool = cache.window_pool
-    own = cache.table[req.req_pool_idx, req.cached_prefix_len:req.kv_len].long()
+    own = cache.table[req.req_pool_idx, req.cached_prefix_len:req.kv_len].astype(np.int64)
     return int(pool.held(own[::PAGE]).sum()) * PAGE
 
 
@@ -41,8 +41,8 @@ def decode(cache: CacheManager, req: Req, steps: int) -> None:
 
 
 def test_usable_prefix_ends_where_the_window_before_it_is_held():
-    def held(pattern: str) -> torch.Tensor:
-        return torch.tensor([c == "1" for c in pattern])
+    def held(pattern: str) -> np.ndarray:
+        return np.array([c == "1" for c in pattern])
 
     assert usable_prefix(held("1" * 20), WINDOW, PAGE) == 20
     # only keys n - 7 .. n - 1 matter: a missing page before them does not
@@ -103,7 +103,7 @@ def test_window_pressure_takes_the_passed_windows_of_a_prefix_only_its_request_l
     # the fourth chunk (48..63) found the pool short: the pages before the
     # window of its first token (48 - 7 = 41, so pages up to 40) went back
     assert req.cached_prefix_len == 64 and cache.window_pool.available() == 48 - 24
-    held = cache.window_pool.held(cache.table[req.req_pool_idx, :64].long())
+    held = cache.window_pool.held(cache.table[req.req_pool_idx, :64].astype(np.int64))
     assert bool(held[40:].all()) and not bool(held[:40].any())
     cache.release(req, cache=False)
     assert check_kv_invariant(cache) is None
