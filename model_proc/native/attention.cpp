@@ -367,6 +367,14 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
                  float* scratch, const int64_t* next_slots, int64_t next_k0, int64_t next_k1,
                  const float* k_scale = nullptr, const float* v_scale = nullptr) {
   constexpr bool kInt8 = std::is_same_v<TK, int8_t>;
+  // a cache whose rows the float32 dot products widen (int8; bfloat16 without
+  // AVX512_BF16's own dot product): each K row widened once per query group
+#if defined(BS_AVX512) && defined(__AVX512BF16__)
+  constexpr bool kNativeBf16Dot = std::is_same_v<T, c10::BFloat16> && std::is_same_v<TK, c10::BFloat16> && D % 32 == 0;
+#else
+  constexpr bool kNativeBf16Dot = false;
+#endif
+  constexpr bool kWidenK = !std::is_same_v<TK, float> && !kNativeBf16Dot;
   const int nq = heads * group;
   const int row_bytes = static_cast<int>(heads * D * sizeof(TK));
   auto prefetch_slot = [&](int64_t slot) {
@@ -425,12 +433,29 @@ void decode_part(const float* q, const T* qraw, float scale, int heads, int grou
     for (int h = 0; h < heads; ++h) {
       const TK* kh[kDecodeBlock];
       for (int t = 0; t < kDecodeBlock; ++t) kh[t] = krow[t] + h * D;
-      for (int t = 0; t < n; t += 16)
-        for (int g = 0; g < group; ++g) {
-          const int i = h * group + g;
-          prefetch_some(per_piece);
-          scores16<T, D, TK>(q + i * D, qraw + i * D, scale, kh + t, &s[i][t]);
+      for (int t = 0; t < n; t += 16) {
+        if constexpr (kWidenK) {
+          // 16 K rows widened to float32 once for the whole query group, not
+          // once per query head: the same values, so the same scores
+          alignas(64) float kw[16 * D];
+          const float* kwr[16];
+          for (int j = 0; j < 16; ++j) {
+            for (int c = 0; c < D / 16; ++c) V16::load(kh[t + j] + 16 * c).store(kw + j * D + 16 * c);
+            kwr[j] = kw + j * D;
+          }
+          for (int g = 0; g < group; ++g) {
+            const int i = h * group + g;
+            prefetch_some(per_piece);
+            scores16<float, D, float>(q + i * D, q + i * D, scale, kwr, &s[i][t]);
+          }
+        } else {
+          for (int g = 0; g < group; ++g) {
+            const int i = h * group + g;
+            prefetch_some(per_piece);
+            scores16<T, D, TK>(q + i * D, qraw + i * D, scale, kh + t, &s[i][t]);
+          }
         }
+      }
       float vs[kDecodeBlock];  // an int8 cache: the block's value scales for head h
       if constexpr (kInt8) {
         float ks[kDecodeBlock];
