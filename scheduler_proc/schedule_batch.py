@@ -3,10 +3,10 @@
 The running batch changes only through `filter_batch` (gather the live rows)
 and `merge_batch` (concatenate a just-prefilled batch). Per-row sampling state
 lives in lists indexed by row, so both are one gather or one concatenation
-per field (lists: they go out as lists, and a batch has tens of rows). A row's lengths are its request's (`Req.kv_len`, written by the
-CacheManager alone); `prepare_for_extend` and `prepare_for_decode` have the
-cache manager allocate and advance them, and read this step's from the
-requests.
+per field (lists: they go out as lists, and a batch has tens of rows). A
+row's lengths are its request's (`Req.kv_len`, written by the CacheManager
+alone); `prepare_for_extend` and `prepare_for_decode` have the cache manager
+allocate and advance them, and read this step's from the requests.
 
 A mixed step (`--enable-mixed-chunk`, `mix_with_running`) is an extend whose
 last rows are the running batch's, each with one new token: its decode step,
