@@ -274,8 +274,8 @@ class CacheManager:
             firsts = self.allocator.first_slots(pages).tolist()
         rows, cols = np.array([r.req_pool_idx for r in reqs]), np.array(positions)
         # the others take the slot after their last one. Lists, not masked array ops:
-        # this runs every decode step, where a dozen small tensor ops cost ~0.3 ms of
-        # the scheduler's ~1.3 ms at one row, time the model's threads lose on 2 cores
+        # this runs every decode step (as masked torch ops it cost ~0.3 ms of the
+        # scheduler's ~1.3 ms at one row, time the model's threads lose on 2 cores)
         last = self.table[rows, cols - 1].tolist() if opens < len(reqs) else positions
         new = iter(firsts)
         locs = np.array([next(new) if p % P == 0 else s + 1 for p, s in zip(positions, last)], dtype=np.int64)
