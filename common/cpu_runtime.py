@@ -34,6 +34,7 @@ matmul splits its work over them.
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import enum
 import logging
@@ -106,6 +107,24 @@ def preloaded_allocator() -> str:
             return "tcmalloc" if "tcmalloc" in f.read() else "system"
     except OSError:
         return "unknown"
+
+
+def release_free_memory() -> bool:
+    """Hand the allocator's free memory back to the kernel: tcmalloc's
+    `MallocExtension_ReleaseFreeMemory` where it is loaded, else glibc's
+    `malloc_trim`. tcmalloc keeps what a process frees for its next
+    allocations, which is what a step wants, but a model load's transients
+    (a GGUF's one-time conversion to a float folder, the file's separate
+    q/k/v blocks once stacked) are never asked for again: kept, they stay
+    out of the KV pool's budget and in the process for its whole life.
+    False where neither function is there."""
+    process = ctypes.CDLL(None)  # the process's global symbols, a preloaded tcmalloc's among them
+    for name, args in (("MallocExtension_ReleaseFreeMemory", ()), ("malloc_trim", (0,))):
+        release = getattr(process, name, None)
+        if release is not None:
+            release(*args)
+            return True
+    return False
 
 
 def model_threads(cpu_threads: int | None, ranks_per_node: int, cores: int | None = None) -> int | None:

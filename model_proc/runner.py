@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from common.cpu_runtime import release_free_memory
 from common.messages import FUTURE_TOKEN, ForwardBatch, ForwardMode, ForwardResult, ModelInfo
 from common.server_args import QUANTIZED_AT_LOAD, ServerArgs
 from model_proc.attention import create_attention_backend, layer_attention
@@ -68,6 +69,8 @@ class ModelRunner:
             quantized = GGUFWeights(sa.model_path, ckpt.names(), cfg.num_heads, cfg.num_kv_heads)
         elif sa.quantization in QUANTIZED_AT_LOAD:
             quantized = QuantizedAtLoad(ckpt, AT_LOAD_TYPES[sa.quantization])
+        # what a first start's GGUF conversion freed counts as available for the KV pool
+        release_free_memory()
         # sliding layers in a window pool of their own (scheduler_proc/window_pool.py)
         windowed = [w is not None for w in cfg.layer_windows] \
             if cfg.sliding and not sa.disable_hybrid_swa_memory and sa.batching == "continuous" else []
@@ -112,6 +115,7 @@ class ModelRunner:
             # the model holds what it uses (a fused weight is a copy: q/k/v stacked); the file's
             # separate tensors would double them
             del quantized
+        release_free_memory()
         # after the packing: the native decoder holds the packed weights
         self.model.native_decoder = build_native_decoder(self.model)
         self.sampler = Sampler(sa.random_seed, self.device)
