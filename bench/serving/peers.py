@@ -31,7 +31,10 @@ Next to each row, the trace's floors on this machine, measured on the spot:
 - memory, 1 concurrent: every weight read once per output token at the read
   bandwidth, as an inter-token latency: for a GGUF model the file itself
   (this server, by default, and llama.cpp both serve its blocks as they
-  are), else the matmul weights in bfloat16.
+  are), else the matmul weights in bfloat16. A peer serving another file
+  of the same model (`--peer-model NAME=PATH`: llama.cpp on a Q8_0 or bf16
+  GGUF, vLLM on a folder) gets that file's floor: a GGUF's bytes, a
+  folder's safetensors'.
 
 Writes --out-dir/peers.json ({command, machine, floors, rows}) and peers.md;
 --record also records the run (bench/results/latest/peers.json, from which
@@ -143,6 +146,14 @@ def serve_trace(url: str, tokenizer: str, concurrency: int, prompts: int, input_
         "--seed", str(seed), "--disable-tqdm"])
 
 
+def served_bytes(path: str) -> int:
+    """The bytes a server of `path` reads per token at 1 concurrent: a GGUF
+    file's, a folder's safetensors' (in the dtype they are stored in)."""
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    return os.path.getsize(path)
+
+
 def parse_named(values: list[str], flag: str) -> dict[str, str]:
     out = {}
     for v in values:
@@ -189,6 +200,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="a peer server already running (OpenAI completions at URL/v1/completions)")
     p.add_argument("--peer-note", action="append", default=[], metavar="NAME=TEXT",
                    help="how that peer was installed and started (goes into the table)")
+    p.add_argument("--peer-model", action="append", default=[], metavar="NAME=PATH",
+                   help="the file (a GGUF) or folder that peer serves, if not --model-path's: its memory floor")
     p.add_argument("--ours-url", default="", help="this server, already running (default: start one)")
     p.add_argument("--ours-flags", default="", help="launch.py flags for the server this starts")
     p.add_argument("--model-path", default="", help="default: the bundled model")
@@ -204,6 +217,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "(--append-results: its name when it appended to bench/RESULTS.md)")
     args = p.parse_args(argv)
     peers, notes = parse_named(args.peer, "--peer"), parse_named(args.peer_note, "--peer-note")
+    peer_models = parse_named(args.peer_model, "--peer-model")
+    if unknown := peer_models.keys() - peers.keys():
+        sys.exit(f"--peer-model names no --peer: {sorted(unknown)}")
     if OURS in peers:
         sys.exit(f"{OURS!r} names this server; give the peer another name")
     model_path = args.model_path or default_model_path()
@@ -219,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[Row] = []
 
     def run(name: str, url: str) -> None:
+        own_floor_ms = 1e3 * served_bytes(peer_models[name]) / bandwidth if name in peer_models else floor_itl_ms
         for c in args.concurrency:
             n = args.num_prompts_single if c == 1 else args.num_prompts
             res = serve_trace(url, folder, c, n, args.input_len, args.output_len, args.seed)
@@ -228,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 server=name, concurrency=c, prompts=n, output_throughput=res["output_throughput"],
                 median_itl_ms=res["median_itl_ms"], median_ttft_ms=res["median_ttft_ms"], failed=res["failed"],
                 floor_output_throughput=floor_tps, share_of_compute_floor=res["output_throughput"] / floor_tps,
-                floor_itl_ms=floor_itl_ms if c == 1 else None))
+                floor_itl_ms=own_floor_ms if c == 1 else None))
 
     if args.ours_url:
         run(OURS, args.ours_url)

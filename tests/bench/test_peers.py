@@ -7,6 +7,8 @@ import os
 
 import dataclasses
 
+import pytest
+
 from bench.lib import machine_rates
 from bench.serving import peers
 from common import server_args
@@ -24,13 +26,20 @@ def test_this_server_and_a_peer_are_served_the_same_trace(tmp_path, default_mode
     out = peers.main(["--concurrency", "2", "1", "--num-prompts", "4", "--num-prompts-single", "2",
                       "--input-len", "16", "--output-len", "8", "--ours-flags", "--max-running-requests 4",
                       "--peer", f"other={shared_server.url}", "--peer-note", "other=a second batchserve",
-                      "--out-dir", str(tmp_path), "--record"])
+                      "--peer-model", f"other={default_model_dir}", "--out-dir", str(tmp_path), "--record"])
     assert [(r["server"], r["concurrency"], r["prompts"]) for r in out["rows"]] == [
         ("batchserve", 2, 4), ("batchserve", 1, 2), ("other", 2, 4), ("other", 1, 2)]
     for r in out["rows"]:
         assert r["failed"] == 0 and r["output_throughput"] > 0
         assert r["floor_output_throughput"] > 0 and 0 < r["share_of_compute_floor"]
         assert (r["floor_itl_ms"] is not None) == (r["concurrency"] == 1)
+    # 1 concurrent, each server's memory floor is what it serves: ours the GGUF's blocks, the
+    # peer (--peer-model) the float32 folder's safetensors
+    bandwidth = out["floors"]["bandwidth_gbs"] * 1e9
+    floors = {r["server"]: r["floor_itl_ms"] for r in out["rows"] if r["concurrency"] == 1}
+    assert floors["batchserve"] == pytest.approx(out["floors"]["gguf_floor_itl_ms"])
+    assert floors["other"] == pytest.approx(1e3 * peers.served_bytes(default_model_dir) / bandwidth)
+    assert floors["other"] > 2 * floors["batchserve"]  # float32 against 4-bit blocks
     md = (tmp_path / "peers.md").read_text()
     assert "| other | 1 | 2 |" in md and "- other: a second batchserve" in md
     assert "--peer-note 'other=a second batchserve'" in out["command"]  # runs as it reads
@@ -68,3 +77,13 @@ def test_a_short_model_name_is_read_as_the_server_reads_it(default_model_dir, mo
     gguf.write_bytes(b"\0" * 1000)
     assert peers.gguf_floor(str(gguf), bandwidth=1e6) == {"gguf_mb": 1e-3, "gguf_floor_itl_ms": 1.0}
     assert peers.gguf_floor(default_model_dir, bandwidth=1e6) == {}
+
+
+def test_a_peer_model_is_read_as_its_file_or_its_folders_safetensors(tmp_path) -> None:
+    (tmp_path / "model.gguf").write_bytes(b"x" * 100)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for name, size in (("a.safetensors", 30), ("b.safetensors", 12), ("tokenizer.json", 1000)):
+        (folder / name).write_bytes(b"x" * size)
+    assert peers.served_bytes(str(tmp_path / "model.gguf")) == 100
+    assert peers.served_bytes(str(folder)) == 42
